@@ -1,0 +1,3 @@
+from pyllama_moe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""Builds: cmake + ninja over a prepared tree, in a directory named by the build key.
+
+The key is a hash of everything that goes into the build: the pinned source, the variant, the backend, the
+cmake options, the compiler identities and (for patched) the patch inputs. A build directory carries
+`pyllama-moe-stamp.json` with its key and the targets built; the stamp is written last, atomically, so a
+directory without one (a failed or interrupted build) is never taken for a good one. A failed build touches
+no other directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyllama_moe.errors import UserError
+from pyllama_moe.paths import cache_dir
+from pyllama_moe.pin import load_pin
+from pyllama_moe.progress import Progress, say
+from pyllama_moe.trees import Tree
+
+STAMP_NAME = "pyllama-moe-stamp.json"
+BACKENDS = ("cpu", "cuda")
+DEFAULT_TARGETS = ("llama", "llama-bench", "llama-perplexity", "llama-completion", "test-backend-ops")
+COMMON_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF", "-DGGML_CCACHE=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=ON",
+    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+CUDA_OPTIONS = ("-DGGML_CUDA=ON", "-DGGML_CUDA_FA_QUANTS=f16-f16", "-DGGML_CUDA_NCCL=OFF")
+
+
+@dataclass
+class BuildSpec:
+    tree: Tree
+    backend: str = "cpu"
+    cuda_arch: str = "90-real"
+    extra_options: tuple[str, ...] = ()
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    jobs: int | None = None
+
+    def options(self) -> list[str]:
+        opts = list(COMMON_OPTIONS)
+        if self.backend == "cuda":
+            opts += [*CUDA_OPTIONS, f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}"]
+        return opts + list(self.extra_options)
+
+
+@dataclass
+class Build:
+    """A finished build directory whose stamp matched."""
+
+    path: Path
+    key: str
+    variant: str
+    backend: str
+    targets: list[str] = field(default_factory=list)
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.path / "bin"
+
+    def tool(self, name: str) -> Path:
+        exe = self.bin_dir / name
+        if not exe.is_file():
+            raise UserError(f"{exe} was not built", f"rebuild with --targets {name} (build dir {self.path})")
+        return exe
+
+
+def tool_path(name: str) -> str:
+    """cmake/ninja from PATH, else from the PyPI wheels this package depends on."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        module = __import__(name)
+        bin_dir = Path(getattr(module, "BIN_DIR", None) or getattr(module, "CMAKE_BIN_DIR", ""))
+        candidate = bin_dir / name
+        if candidate.is_file():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise UserError(f"{name} was not found on PATH", f"install it: `pip install {name}` (or your system package)")
+
+
+def _first_line(cmd: list[str]) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return ""
+    out = (proc.stdout or proc.stderr).strip().splitlines()
+    return out[0] if proc.returncode == 0 and out else ""
+
+
+def compiler_ids(backend: str) -> dict[str, str]:
+    cc = os.environ.get("CC", "cc")
+    cxx = os.environ.get("CXX", "c++")
+    ids = {"cc": _first_line([cc, "--version"]), "cxx": _first_line([cxx, "--version"]),
+           "cmake": _first_line([tool_path("cmake"), "--version"])}
+    if not ids["cc"] or not ids["cxx"]:
+        raise UserError(f"no working C/C++ compiler ({cc}, {cxx})", "install gcc and g++ (e.g. apt-get install build-essential)")
+    if backend == "cuda":
+        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+        if not nvcc:
+            raise UserError("--backend cuda needs nvcc, which is not on PATH", "install the CUDA toolkit or add its bin/ to PATH")
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        ids["nvcc"] = out[-1] if out else "unknown"
+    return ids
+
+
+def build_key(spec: BuildSpec) -> tuple[str, dict]:
+    """The key and the record it was computed from (kept in the stamp, so a mismatch can be explained)."""
+    record = {
+        "variant": spec.tree.variant,
+        "backend": spec.backend,
+        "source": spec.tree.source_id,
+        "options": sorted(spec.options()),
+        "compilers": compiler_ids(spec.backend),
+    }
+    if spec.tree.variant == "patched":
+        record["patch_inputs"] = spec.tree.inputs  # master's key leaves the patch inputs out by construction
+    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
+    return key, record
+
+
+def build_dir_for(variant: str, backend: str, key: str) -> Path:
+    return cache_dir("builds") / f"{variant}-{backend}-{key}"
+
+
+def read_stamp(path: Path) -> dict | None:
+    try:
+        return json.loads((path / STAMP_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_stamp(path: Path, stamp: dict) -> None:
+    tmp = path / (STAMP_NAME + ".tmp")
+    tmp.write_text(json.dumps(stamp, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path / STAMP_NAME)
+
+
+def _run_logged(cmd: list[str], log: Path, label: str, cwd: Path | None = None) -> None:
+    """Run a build step with its output in `log`, a progress line from ninja's [n/m] counter."""
+    progress = Progress(label)
+    with open(log, "ab") as fh:
+        fh.write(f"\n$ {' '.join(cmd)}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            fh.write(raw)
+            match = re.match(rb"\[(\d+)/(\d+)\]", raw)
+            if match:
+                progress.total = int(match.group(2))
+                progress.update(int(match.group(1)))
+        rc = proc.wait()
+    if rc != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+        sys.stderr.write("\n".join(tail) + "\n")
+        raise UserError(f"{label} failed (exit {rc}); full log: {log}", "fix the error shown above and run the build again")
+    progress.finish()
+
+
+def build(spec: BuildSpec) -> Build:
+    """Configure and build, or reuse a build whose stamp has the same key and all requested targets."""
+    if spec.backend not in BACKENDS:
+        raise UserError(f"unknown backend {spec.backend!r}", f"use one of {', '.join(BACKENDS)}")
+    key, record = build_key(spec)
+    path = build_dir_for(spec.tree.variant, spec.backend, key)
+    stamp = read_stamp(path)
+    if stamp and stamp.get("key") == key and set(spec.targets) <= set(stamp.get("targets", [])):
+        return Build(path, key, spec.tree.variant, spec.backend, stamp["targets"])
+    have = stamp.get("targets", []) if stamp and stamp.get("key") == key else []
+    if not have and path.exists():
+        shutil.rmtree(path)  # a failed or interrupted build of this key: start clean
+    path.mkdir(parents=True, exist_ok=True)
+    log = path / "build.log"
+    pin = load_pin()
+    options = spec.options()
+    if spec.tree.variant == "patched":
+        options += [f"-DLLAMA_MOE_BUILD_KEY={key}", "-DLLAMA_MOE_VARIANT=patched",
+                    f"-DLLAMA_MOE_PIN={pin.version}@{pin.commit}"]
+    cmake, ninja = tool_path("cmake"), tool_path("ninja")
+    started = time.monotonic()
+    say(f"building {spec.tree.variant}/{spec.backend} in {path} (log: {log})")
+    if not (path / "build.ninja").is_file():
+        _run_logged([cmake, "-S", str(spec.tree.path), "-B", str(path), "-G", "Ninja",
+                     f"-DCMAKE_MAKE_PROGRAM={ninja}", *options], log, f"configure {spec.tree.variant}")
+    jobs = ["-j", str(spec.jobs)] if spec.jobs else []
+    targets = sorted(set(spec.targets) | set(have))
+    _run_logged([ninja, "-C", str(path), *jobs, *targets], log, f"build {spec.tree.variant}/{spec.backend}")
+    _write_stamp(path, {"key": key, "record": record, "targets": targets, "variant": spec.tree.variant,
+                        "backend": spec.backend, "seconds": round(time.monotonic() - started, 1)})
+    return Build(path, key, spec.tree.variant, spec.backend, targets)
+
+
+def find_build(variant: str, backend: str, key: str) -> Build:
+    """A finished build of exactly this key, or a UserError that says how to make it."""
+    path = build_dir_for(variant, backend, key)
+    stamp = read_stamp(path)
+    if not stamp:
+        raise UserError(f"no finished {variant}/{backend} build with key {key} ({path})",
+                        f"run `pyllama-moe build --variant {variant} --backend {backend}`")
+    if stamp.get("key") != key:
+        raise UserError(f"{path} is stamped with key {stamp.get('key')}, expected {key}",
+                        f"run `pyllama-moe build --variant {variant} --backend {backend}` to rebuild it")
+    return Build(path, key, variant, backend, stamp.get("targets", []))
+
+
+def resolve(variant: str, backend: str = "cpu", *, sdist: Path | None = None, llama_src: Path | None = None,
+            archive: Path | None = None, make: bool = True, **spec_kwargs) -> Build:
+    """The build of `variant` for the current pin and patch inputs: reused when its key is stamped, else built
+    (or, with make=False, a UserError that says how to build it)."""
+    from pyllama_moe import packs, source, trees  # late: packs imports this module
+
+    if archive is not None:
+        tree = packs.unpack(Path(archive), variant)
+    else:
+        tree = trees.prepare(source.ensure_source(sdist, llama_src), variant)
+    spec = BuildSpec(tree, backend, **spec_kwargs)
+    if make:
+        return build(spec)
+    key, _ = build_key(spec)
+    return find_build(variant, backend, key)

@@ -1,0 +1,155 @@
+"""`pyllama-moe`: one argparse tree with a verb per job. Bad input ends in one line on stderr and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pyllama_moe.errors import UserError
+
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("source (default: download the pinned sdist into the cache)")
+    g.add_argument("--sdist", type=Path, help="use this llama-cpp-python sdist (verified against the pin) instead of downloading")
+    g.add_argument("--llama-src", type=Path, help="use your own llama.cpp checkout of the pinned commit")
+
+
+def _add_build_args(p: argparse.ArgumentParser, variant_default: str | None = "patched") -> None:
+    from pyllama_moe.build import BACKENDS
+    from pyllama_moe.trees import VARIANTS
+
+    p.add_argument("--variant", choices=VARIANTS, default=variant_default, required=variant_default is None)
+    p.add_argument("--backend", choices=BACKENDS, default="cpu")
+    p.add_argument("--archive", type=Path, help="build from a `source pack` archive (its manifest is checked)")
+    _add_source_args(p)
+
+
+def cmd_source(args) -> int:
+    from pyllama_moe import packs, source
+
+    src = source.ensure_source(args.sdist, args.llama_src)
+    if args.action == "pack":
+        out = args.output or Path(f"llama.cpp-{args.variant}.tar.gz")
+        packs.pack(args.variant, out, src)
+        return 0
+    info = {"llama_cpp_dir": str(src.llama_dir), "python_dir": str(src.python_dir) if src.python_dir else None,
+            "origin": src.origin, "files": len(src.manifest)}
+    print(json.dumps(info, indent=1) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+    return 0
+
+
+def cmd_patches(args) -> int:
+    from pyllama_moe import patches, source
+    from pyllama_moe.paths import PROJECT_ROOT
+    from pyllama_moe.pin import load_pin
+
+    src = source.ensure_source(args.sdist, args.llama_src)
+    label = load_pin().label
+    scratch = args.dir or (PROJECT_ROOT / ".work" / "llama.cpp")
+    if args.action == "apply":
+        patches.apply_scratch(src.llama_dir, scratch, label, force=args.force)
+        print(f"scratch repo: {scratch} (base tagged `{patches.BASE_TAG}`, {len(patches.read_series())} patches, native/ overlaid)")
+        return 0
+    if args.action == "export":
+        mails = patches.export_mails(scratch)
+        problems = [p for name, mail in mails.items() for p in patches.audit_mail(name, mail)]
+        if problems:
+            raise UserError("; ".join(problems), "amend the commit messages in the scratch repo, then export again")
+        changed = patches.write_export(mails)
+        print(f"exported {len(mails)} patches; changed: {', '.join(changed) or 'nothing'}")
+        return 0
+    problems = patches.check(src.llama_dir, label)
+    for problem in problems:
+        print(f"FAIL {problem}")
+    if problems:
+        return 1
+    print(f"ok: {len(patches.read_series())} patches apply and export unchanged")
+    return 0
+
+
+def cmd_build(args) -> int:
+    from pyllama_moe.build import DEFAULT_TARGETS, resolve
+
+    targets = tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS
+    extra = tuple(args.cmake_arg or ())
+    built = resolve(args.variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, archive=args.archive,
+                    targets=targets, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_options=extra)
+    print(built.path)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from pyllama_moe import ffi
+    from pyllama_moe.build import resolve
+
+    built = resolve(args.variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, archive=args.archive, make=False)
+    lib = ffi.load(built)
+    info = {"build_dir": str(built.path), "key": built.key, "variant": built.variant, "backend": built.backend,
+            "library": str(lib.path), "embedded": lib.build_info(), "api": sorted(n for n in dir(lib) if n.startswith("llama_moe"))}
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyllama-moe", description=__doc__)
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("source", help="fetch + verify the pinned sdist; `source pack` writes a pruned source archive")
+    p.add_argument("action", nargs="?", choices=("show", "pack"), default="show")
+    p.add_argument("--variant", choices=("master", "patched"), default="patched", help="tree to pack")
+    p.add_argument("-o", "--output", type=Path, help="archive path for `pack` (default: ./llama.cpp-<variant>.tar.gz)")
+    p.add_argument("--json", action="store_true")
+    _add_source_args(p)
+    p.set_defaults(func=cmd_source)
+
+    p = sub.add_parser("patches", help="apply the series to a scratch repo, export it back, or check it")
+    p.add_argument("action", choices=("apply", "export", "check"))
+    p.add_argument("--dir", type=Path, help="scratch repo (default: .work/llama.cpp in the project)")
+    p.add_argument("--force", action="store_true", help="apply: replace an existing scratch repo")
+    _add_source_args(p)
+    p.set_defaults(func=cmd_patches)
+
+    p = sub.add_parser("build", help="configure + build a variant (reused when its key is unchanged)")
+    _add_build_args(p)
+    p.add_argument("--targets", help="comma-separated ninja targets (default: libllama and the harness tools)")
+    p.add_argument("-j", "--jobs", type=int)
+    p.add_argument("--cuda-arch", default="90-real", help="CMAKE_CUDA_ARCHITECTURES for --backend cuda")
+    p.add_argument("--cmake-arg", action="append", metavar="-DNAME=VALUE", help="extra cmake option (part of the key)")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("info", help="load a finished build through the checked loader and print what it is")
+    _add_build_args(p)
+    p.set_defaults(func=cmd_info)
+
+    for register in _registries():
+        register(sub)
+    return parser
+
+
+def _registries():
+    """Verbs that live in their own modules register themselves here."""
+    import importlib
+
+    for name in ("pyllama_moe.synth.cli",):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name and exc.name != name.rsplit(".", 1)[0]:
+                raise
+            continue
+        yield module.register
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        sys.stderr.write(f"pyllama-moe {args.verb}: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130

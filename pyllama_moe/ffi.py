@@ -1,0 +1,114 @@
+"""cffi bindings of pyllama_moe's C API, and the loader that refuses a library from another build.
+
+The cdef is generated from `native/include/llama-moe.h` alone (the declarations between its CFFI markers).
+A function the loaded library does not export (a master build, or a build from before a feature existed)
+is simply absent from the `MoeLib` object: `AttributeError`, never a crash.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from pyllama_moe.build import Build, read_stamp
+from pyllama_moe.errors import UserError
+from pyllama_moe.paths import NATIVE_DIR
+
+HEADER = NATIVE_DIR / "include" / "llama-moe.h"
+_BEGIN, _END = "// --- BEGIN CFFI ---", "// --- END CFFI ---"
+
+
+def cdef_from_header(header: Path = HEADER) -> str:
+    text = header.read_text()
+    if _BEGIN not in text or _END not in text:
+        raise UserError(f"{header} lacks the `{_BEGIN}` / `{_END}` markers", "restore them around the declarations")
+    body = text.split(_BEGIN, 1)[1].split(_END, 1)[0]
+    body = re.sub(r"//[^\n]*", "", body)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    body = body.replace("LLAMA_MOE_API", "")
+    # opaque handles of llama.h used as pointers only
+    prelude = "struct llama_context; struct llama_model; typedef struct llama_context llama_context;\n"
+    return prelude + "\n".join(line.rstrip() for line in body.splitlines() if line.strip())
+
+
+def declared_functions(cdef: str) -> list[str]:
+    return re.findall(r"\b([a-z_][a-z0-9_]*)\s*\([^;]*\)\s*;", cdef)
+
+
+@lru_cache(maxsize=1)
+def _ffi():
+    try:
+        from cffi import FFI
+    except ImportError as exc:  # pragma: no cover - cffi is a declared dependency
+        raise UserError("the cffi package is missing", "pip install cffi") from exc
+    ffi = FFI()
+    cdef = cdef_from_header()
+    ffi.cdef(cdef)
+    return ffi, tuple(declared_functions(cdef))
+
+
+def parse_build_info(text: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in text.split(";") if "=" in part)
+
+
+@dataclass
+class MoeLib:
+    """The functions of llama-moe.h that this library exports, as attributes; nothing else."""
+
+    path: Path
+    build: Build
+    _lib: object
+    _ffi: object
+    _names: tuple[str, ...]
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in self._names:
+            raise AttributeError(f"{name} is not available in {self.path} ({self.build.variant} build {self.build.key})")
+        return getattr(self._lib, name)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._names))
+
+    def build_info(self) -> dict[str, str] | None:
+        """The embedded build description; None for a master build, which carries no symbol of ours."""
+        if "llama_moe_build_info" not in self._names:
+            return None
+        return parse_build_info(self._ffi.string(self._lib.llama_moe_build_info()).decode())
+
+
+def library_path(build: Build) -> Path:
+    lib = build.bin_dir / "libllama.so"
+    if not lib.is_file():
+        raise UserError(f"{lib} does not exist", f"rebuild: `pyllama-moe build --variant {build.variant} --backend {build.backend}`")
+    return lib
+
+
+def load(build: Build) -> MoeLib:
+    """Open the build's libllama; refuse it unless the stamp and the embedded key match `build.key`."""
+    stamp = read_stamp(build.path)
+    rebuild = f"run `pyllama-moe build --variant {build.variant} --backend {build.backend}`"
+    if not stamp or stamp.get("key") != build.key:
+        raise UserError(f"{build.path} is not a finished build with key {build.key} (stamp: {stamp and stamp.get('key')})", rebuild)
+    path = library_path(build)
+    ffi, names = _ffi()
+    lib = ffi.dlopen(str(path))
+    present = []
+    for name in names:
+        try:
+            getattr(lib, name)
+            present.append(name)
+        except AttributeError:
+            pass
+    moe = MoeLib(path, build, lib, ffi, tuple(present))
+    info = moe.build_info()
+    if build.variant == "master":
+        if info is not None:
+            raise UserError(f"{path} exports llama_moe_build_info, so it is not a master build", rebuild)
+    else:
+        if info is None:
+            raise UserError(f"{path} has no llama_moe_build_info: it is not a patched build", rebuild)
+        if info.get("key") != build.key or info.get("variant") != build.variant:
+            raise UserError(f"{path} embeds key {info.get('key')} ({info.get('variant')}), the build dir is stamped {build.key}", rebuild)
+    return moe

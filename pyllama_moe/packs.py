@@ -1,0 +1,126 @@
+"""Pruned source archives for machines with no package registry and maybe no git (the GPU machine).
+
+`pack` writes the prepared tree of a variant (patches applied for `patched`), minus what no build needs,
+as a tar.gz with `pyllama-moe-manifest.json`: the sha256 of every file, and for each file that came from
+the sdist unchanged, proof that its hash is the one recorded from the verified sdist. `unpack` checks the
+archive against its manifest (no file missing, extra or altered) and against this checkout (same pin, and
+for `patched` the same patch inputs) before any build uses it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+from pyllama_moe import patches, source, trees
+from pyllama_moe.errors import UserError
+from pyllama_moe.paths import cache_dir
+from pyllama_moe.pin import load_pin
+from pyllama_moe.progress import Progress
+
+MANIFEST = "pyllama-moe-manifest.json"
+KEEP_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-sim"}
+PRUNE_PREFIXES = ("models/", "docs/", "tools/ui/", "benches/", "examples/llama.android/",
+                  "examples/llama.swiftui/", ".github/", ".devops/", "media/")
+
+
+def is_pruned(rel: str) -> bool:
+    if rel.startswith(PRUNE_PREFIXES):
+        return True
+    parts = rel.split("/")
+    # ggml/src/ggml-<backend>/...: only the backends we build travel
+    return len(parts) > 3 and parts[:2] == ["ggml", "src"] and parts[2].startswith("ggml-") and parts[2] not in KEEP_BACKENDS
+
+
+def pack(variant: str, out: Path, src: source.Source) -> dict:
+    pin = load_pin()
+    tree = trees.prepare(src, variant)
+    files = {}
+    for path in sorted(tree.path.rglob("*")):
+        rel = path.relative_to(tree.path).as_posix()
+        if not path.is_file() or path.is_symlink() or is_pruned(rel) or rel == ".git" or rel.startswith(".git/"):
+            continue
+        digest = source.sha256_file(path)
+        origin = "sdist" if src.manifest.get(rel) == digest else ("patched" if rel in src.manifest else "added")
+        files[rel] = {"sha256": digest, "origin": origin}
+    manifest = {"pin": {"sdist_sha256": pin.sha256, "commit": pin.commit_full, "version": pin.version},
+                "variant": variant, "source": tree.source_id, "patch_inputs": tree.inputs, "files": files}
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    progress = Progress(f"packing {variant}", total=len(files), unit=" files")
+    with tarfile.open(tmp, "w:gz", compresslevel=9) as tar:
+        data = json.dumps(manifest, indent=0, sort_keys=True).encode()
+        info = tarfile.TarInfo(MANIFEST)
+        info.size, info.mtime, info.mode = len(data), 0, 0o644
+        tar.addfile(info, io.BytesIO(data))
+        for i, rel in enumerate(files, 1):
+            info = tar.gettarinfo(str(tree.path / rel), arcname=f"llama.cpp/{rel}")
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(tree.path / rel, "rb") as fh:
+                tar.addfile(info, fh)
+            progress.update(i)
+    os.replace(tmp, out)
+    progress.finish(f"{out} ({out.stat().st_size / 1e6:.1f} MB, {len(files)} files)")
+    return manifest
+
+
+def _check_manifest(manifest: dict, root: Path, variant: str, archive: Path) -> None:
+    pin = load_pin()
+    fix = f"re-create it with `pyllama-moe source pack --variant {variant}` from this checkout"
+    if manifest.get("pin", {}).get("sdist_sha256") != pin.sha256:
+        raise UserError(f"archive {archive} was packed from another pin", fix)
+    if manifest.get("variant") != variant:
+        raise UserError(f"archive {archive} holds the {manifest.get('variant')} tree, not {variant}", fix)
+    if variant == "patched" and manifest.get("patch_inputs") != patches.inputs_digest():
+        raise UserError(f"archive {archive} was packed from other patches or native/ files than this checkout's", fix)
+    listed = manifest["files"]
+    seen = set()
+    for path in root.rglob("*"):
+        if path.is_file():
+            rel = path.relative_to(root).as_posix()
+            seen.add(rel)
+            entry = listed.get(rel)
+            if entry is None:
+                raise UserError(f"archive {archive}: {rel} is not in its manifest", fix)
+            if source.sha256_file(path) != entry["sha256"]:
+                raise UserError(f"archive {archive}: {rel} does not match its manifest sha256", fix)
+    missing = sorted(set(listed) - seen)
+    if missing:
+        raise UserError(f"archive {archive}: {len(missing)} files of the manifest are missing (first: {missing[0]})", fix)
+
+
+def unpack(archive: Path, variant: str) -> trees.Tree:
+    archive = Path(archive).resolve()
+    if not archive.is_file():
+        raise UserError(f"archive {archive} does not exist", f"create it with `pyllama-moe source pack --variant {variant}`")
+    digest = source.sha256_file(archive)
+    root = cache_dir("trees") / f"archive-{variant}-{digest[:16]}"
+    if not (root / source.COMPLETE_MARK).is_file():
+        if root.exists():
+            shutil.rmtree(root)
+        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".unpack-"))
+        try:
+            try:
+                with tarfile.open(archive, "r:gz") as tar:
+                    tar.extractall(tmp, filter="data")
+                manifest = json.loads((tmp / MANIFEST).read_text())
+            except (tarfile.TarError, OSError, ValueError, EOFError) as exc:
+                raise UserError(f"archive {archive} is unreadable ({exc})",
+                                f"copy it again or re-create it with `pyllama-moe source pack --variant {variant}`") from exc
+            _check_manifest(manifest, tmp / "llama.cpp", variant, archive)
+            (tmp / source.COMPLETE_MARK).write_text(digest + "\n")
+            os.replace(tmp, root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    manifest = json.loads((root / MANIFEST).read_text())
+    if variant == "patched" and manifest.get("patch_inputs") != patches.inputs_digest():
+        raise UserError(f"archive {archive} was packed from other patches or native/ files than this checkout's",
+                        f"re-create it with `pyllama-moe source pack --variant {variant}`")
+    return trees.Tree(variant, root / "llama.cpp", manifest["source"], manifest["patch_inputs"])
+
