@@ -107,9 +107,10 @@ def compiler_ids(backend: str) -> dict[str, str]:
     if not ids["cc"] or not ids["cxx"]:
         raise UserError(f"no working C/C++ compiler ({cc}, {cxx})", "install gcc and g++ (e.g. apt-get install build-essential)")
     if backend == "cuda":
-        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+        nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc")
         if not nvcc:
-            raise UserError("--backend cuda needs nvcc, which is not on PATH", "install the CUDA toolkit or add its bin/ to PATH")
+            raise UserError("--backend cuda needs nvcc, which is neither on PATH nor named by CUDACXX",
+                            "install the CUDA toolkit and add its bin/ to PATH (e.g. /usr/local/cuda/bin)")
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
         ids["nvcc"] = out[-1] if out else "unknown"
     return ids

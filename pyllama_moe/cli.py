@@ -132,7 +132,7 @@ def _registries():
     """Verbs that live in their own modules register themselves here."""
     import importlib
 
-    for name in ("pyllama_moe.synth.cli",):
+    for name in ("pyllama_moe.cli_harness", "pyllama_moe.synth.cli"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

@@ -48,21 +48,30 @@ def pack(variant: str, out: Path, src: source.Source) -> dict:
         digest = source.sha256_file(path)
         origin = "sdist" if src.manifest.get(rel) == digest else ("patched" if rel in src.manifest else "added")
         files[rel] = {"sha256": digest, "origin": origin}
+    # the sdist's llama_cpp package travels too: the harness drives builds through it
+    python_files = {}
+    if src.python_dir is not None:
+        for path in sorted(src.python_dir.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                python_files[path.relative_to(src.python_dir).as_posix()] = {"sha256": source.sha256_file(path), "origin": "sdist"}
     manifest = {"pin": {"sdist_sha256": pin.sha256, "commit": pin.commit_full, "version": pin.version},
-                "variant": variant, "source": tree.source_id, "patch_inputs": tree.inputs, "files": files}
+                "variant": variant, "source": tree.source_id, "patch_inputs": tree.inputs, "files": files,
+                "python_files": python_files}
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    progress = Progress(f"packing {variant}", total=len(files), unit=" files")
+    progress = Progress(f"packing {variant}", total=len(files) + len(python_files), unit=" files")
     with tarfile.open(tmp, "w:gz", compresslevel=9) as tar:
         data = json.dumps(manifest, indent=0, sort_keys=True).encode()
         info = tarfile.TarInfo(MANIFEST)
         info.size, info.mtime, info.mode = len(data), 0, 0o644
         tar.addfile(info, io.BytesIO(data))
-        for i, rel in enumerate(files, 1):
-            info = tar.gettarinfo(str(tree.path / rel), arcname=f"llama.cpp/{rel}")
+        entries = [(tree.path / rel, f"llama.cpp/{rel}") for rel in files]
+        entries += [(src.python_dir / rel, f"python/{rel}") for rel in python_files]
+        for i, (path, arcname) in enumerate(entries, 1):
+            info = tar.gettarinfo(str(path), arcname=arcname)
             info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            with open(tree.path / rel, "rb") as fh:
+            with open(path, "rb") as fh:
                 tar.addfile(info, fh)
             progress.update(i)
     os.replace(tmp, out)
@@ -79,7 +88,11 @@ def _check_manifest(manifest: dict, root: Path, variant: str, archive: Path) -> 
         raise UserError(f"archive {archive} holds the {manifest.get('variant')} tree, not {variant}", fix)
     if variant == "patched" and manifest.get("patch_inputs") != patches.inputs_digest():
         raise UserError(f"archive {archive} was packed from other patches or native/ files than this checkout's", fix)
-    listed = manifest["files"]
+    _check_files(manifest["files"], root / "llama.cpp", archive, fix)
+    _check_files(manifest.get("python_files", {}), root / "python", archive, fix)
+
+
+def _check_files(listed: dict, root: Path, archive: Path, fix: str) -> None:
     seen = set()
     for path in root.rglob("*"):
         if path.is_file():
@@ -113,7 +126,7 @@ def unpack(archive: Path, variant: str) -> trees.Tree:
             except (tarfile.TarError, OSError, ValueError, EOFError) as exc:
                 raise UserError(f"archive {archive} is unreadable ({exc})",
                                 f"copy it again or re-create it with `pyllama-moe source pack --variant {variant}`") from exc
-            _check_manifest(manifest, tmp / "llama.cpp", variant, archive)
+            _check_manifest(manifest, tmp, variant, archive)
             (tmp / source.COMPLETE_MARK).write_text(digest + "\n")
             os.replace(tmp, root)
         finally:
@@ -123,4 +136,14 @@ def unpack(archive: Path, variant: str) -> trees.Tree:
         raise UserError(f"archive {archive} was packed from other patches or native/ files than this checkout's",
                         f"re-create it with `pyllama-moe source pack --variant {variant}`")
     return trees.Tree(variant, root / "llama.cpp", manifest["source"], manifest["patch_inputs"])
+
+
+def archive_source(archive: Path, variant: str) -> source.Source:
+    """The Source behind an archive: its tree and the sdist's llama_cpp package it carries."""
+    tree = unpack(archive, variant)
+    manifest = json.loads((tree.path.parent / MANIFEST).read_text())
+    python_dir = tree.path.parent / "python"
+    files = {rel: entry["sha256"] for rel, entry in manifest["files"].items() if entry["origin"] == "sdist"}
+    return source.Source(tree.path, python_dir if python_dir.is_dir() else None, files,
+                         "sdist:" + manifest["pin"]["sdist_sha256"])
 

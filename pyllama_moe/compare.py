@@ -1,0 +1,221 @@
+"""`pyllama-moe compare`: run the identity matrix, baseline build against candidate build, cell by cell.
+
+Per cell: all-position logits of a prompt (raw f32, sha256 first; on a mismatch the first differing
+position, max-abs, mean KLD and top-1 agreement), perplexity from llama-perplexity (per-chunk and final
+values; on a mismatch llama-perplexity's KL-divergence mode for diagnostics), and greedy text.
+A cell passes when what it computed matches its `expect`; a CUDA cell on a machine without a GPU is
+deferred, never passed; a run where no cell passed fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pyllama_moe import models, runner
+from pyllama_moe.build import Build, resolve
+from pyllama_moe.errors import UserError
+from pyllama_moe.matrix import Cell, Matrix
+from pyllama_moe.progress import say
+from pyllama_moe.source import Source
+
+
+@dataclass
+class Check:
+    name: str
+    identical: bool
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    status: str  # pass | fail | deferred
+    checks: list[Check] = field(default_factory=list)
+    note: str = ""
+    seconds: float = 0.0
+
+
+def logit_diagnostics(base: np.ndarray, cand: np.ndarray) -> dict:
+    if base.shape != cand.shape:
+        return {"shape_base": list(base.shape), "shape_candidate": list(cand.shape)}
+    rows_differ = np.flatnonzero(np.any(base.view(np.uint32) != cand.view(np.uint32), axis=1))
+    b64, c64 = base.astype(np.float64), cand.astype(np.float64)
+    lb = b64 - b64.max(axis=1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))
+    lc = c64 - c64.max(axis=1, keepdims=True)
+    lc -= np.log(np.exp(lc).sum(axis=1, keepdims=True))
+    kld = (np.exp(lb) * (lb - lc)).sum(axis=1)
+    return {
+        "first_diff_pos": int(rows_differ[0]) if rows_differ.size else None,
+        "positions_differing": int(rows_differ.size),
+        "values_differing": float(np.mean(base != cand)),
+        "max_abs": float(np.max(np.abs(b64 - c64))),
+        "mean_kld": float(kld.mean()),
+        "max_kld": float(kld.max()),
+        "top1_agreement": float(np.mean(base.argmax(axis=1) == cand.argmax(axis=1))),
+    }
+
+
+def _perplexity_args(cell: Cell, model: Path, corpus: Path, repack: bool, threads: int) -> list[str]:
+    args = ["-m", str(model), "-f", str(corpus), "-c", str(cell.ppl_ctx), "-b", str(cell.ppl_ctx),
+            "-ub", str(min(cell.ubatch, cell.ppl_ctx)), "--chunks", "2", "-t", str(threads), "--fit", cell.fit,
+            "-lm", cell.load, "--no-warmup"]
+    place = cell.placement()
+    args += ["-ngl", str(place.get("n_gpu_layers", 99))]
+    if place.get("cpu_moe"):
+        args.append("-cmoe")
+    if place.get("n_cpu_moe"):
+        args += ["-ncmoe", str(place["n_cpu_moe"])]
+    if not repack:
+        args.append("-nr")
+    return args
+
+
+def _run_perplexity(build: Build, args: list[str], env: dict) -> str:
+    exe = build.tool("llama-perplexity")
+    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        tail = "\n".join(out.strip().splitlines()[-10:])
+        raise UserError(f"llama-perplexity of the {build.variant} build failed (exit {proc.returncode}):\n{tail}",
+                        "see the log lines above")
+    return out
+
+
+def _ppl_values(out: str) -> dict:
+    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+    chunks = re.findall(r"\[(\d+)\]([0-9.]+|nan|inf)", out)
+    return {"final": final.group(1) if final else None, "chunks": [v for _, v in chunks]}
+
+
+def _kld_summary(out: str) -> dict:
+    keys = {"mean_kld": r"Mean\s+KLD:\s+(\S+)", "max_kld": r"Maximum KLD:\s+(\S+)", "same_top_p": r"Same top p:\s+(\S+)",
+            "ppl_q": r"Mean PPL\(Q\)\s+:\s+(\S+)", "ppl_base": r"Mean PPL\(base\)\s+:\s+(\S+)"}
+    found = {k: re.search(p, out) for k, p in keys.items()}
+    return {k: m.group(1) for k, m in found.items() if m}
+
+
+class Harness:
+    def __init__(self, matrix: Matrix, src: Source, builds: dict[tuple[str, str], Build], threads: int):
+        self.matrix, self.src, self.builds, self.threads = matrix, src, builds, threads
+
+    def run_cell(self, cell: Cell) -> CellResult:
+        started = time.monotonic()
+        if cell.backend == "cuda" and not shutil.which("nvidia-smi"):
+            return CellResult(cell, "deferred", note="needs a CUDA GPU; none on this machine")
+        base_build = self.builds[(cell.baseline, cell.backend)]
+        cand_build = self.builds[(cell.candidate, cell.backend)]
+        model = models.ensure_model(cell.model, self.matrix.models[cell.model])
+        corpus = models.ensure_corpus(model, tokens=max(4000, 2 * cell.ppl_ctx + 500))
+        prompt = corpus.read_text()
+        env = self.matrix.knobs[cell.knobs]
+        common = dict(model=model, prompt=prompt, n_ubatch=cell.ubatch, n_batch=max(cell.ubatch, 2048),
+                      load_mode=cell.load, threads=self.threads, generate=cell.generate,
+                      max_prompt_tokens=cell.prompt_tokens, **cell.placement())
+        base = runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common))
+        cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=env, **common))
+        checks = []
+        same = base.logits_sha256 == cand.logits_sha256
+        detail = {"sha256_base": base.logits_sha256, "sha256_candidate": cand.logits_sha256,
+                  "positions": int(base.logits.shape[0])}
+        if not same:
+            detail.update(logit_diagnostics(base.logits, cand.logits))
+        checks.append(Check("logits", same, detail))
+        same_text = base.generated == cand.generated
+        text_detail = {"tokens": len(base.generated)}
+        if not same_text:
+            first = next((i for i, (a, b) in enumerate(zip(base.generated, cand.generated)) if a != b),
+                         min(len(base.generated), len(cand.generated)))
+            text_detail.update(first_diff_token=first, base=base.text[:80], candidate=cand.text[:80])
+        checks.append(Check("text", same_text, text_detail))
+        if cell.perplexity:
+            checks.append(self._perplexity(cell, model, corpus, base_build, cand_build, env))
+        if cell.expect == "identical":
+            ok = all(c.identical for c in checks)
+        else:  # a negative control: the logits must be reported as different
+            ok = not checks[0].identical
+        return CellResult(cell, "pass" if ok else "fail", checks, seconds=time.monotonic() - started)
+
+    def _perplexity(self, cell, model, corpus, base_build, cand_build, env) -> Check:
+        run_env = dict(os.environ)
+        base_out = _run_perplexity(base_build, _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads), run_env)
+        cand_out = _run_perplexity(cand_build, _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads),
+                                   {**run_env, **env})
+        base_v, cand_v = _ppl_values(base_out), _ppl_values(cand_out)
+        if base_v["final"] is None or cand_v["final"] is None:
+            raise UserError(f"llama-perplexity printed no final estimate for {cell.label}", "run it by hand to see why")
+        same = base_v == cand_v
+        detail = {"ppl_base": base_v["final"], "ppl_candidate": cand_v["final"]}
+        if not same:
+            with tempfile.TemporaryDirectory(prefix="pyllama-moe-kld-") as tmp:
+                kld_file = str(Path(tmp) / "base.kld")
+                _run_perplexity(base_build, _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads)
+                                + ["--kl-divergence-base", kld_file], run_env)
+                out = _run_perplexity(cand_build, _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads)
+                                      + ["--kl-divergence-base", kld_file, "--kl-divergence"], {**run_env, **env})
+                detail.update(_kld_summary(out))
+        return Check("perplexity", same, detail)
+
+
+def needed_builds(cells: list[Cell]) -> set[tuple[str, str]]:
+    return {(v, c.backend) for c in cells for v in (c.baseline, c.candidate)}
+
+
+def resolve_builds(cells: list[Cell], make: bool, archive_dir: Path | None, **source_kw) -> dict[tuple[str, str], Build]:
+    out = {}
+    for variant, backend in sorted(needed_builds(cells)):
+        if backend == "cuda" and not shutil.which("nvidia-smi"):
+            continue
+        archive = (archive_dir / f"llama.cpp-{variant}.tar.gz") if archive_dir else None
+        out[(variant, backend)] = resolve(variant, backend, archive=archive, make=make, **source_kw)
+    return out
+
+
+def run_matrix(harness: Harness, cells: list[Cell], on_result=None) -> list[CellResult]:
+    results = []
+    for i, cell in enumerate(cells, 1):
+        say(f"[{i}/{len(cells)}] {cell.label} ...")
+        try:
+            result = harness.run_cell(cell)
+        except UserError as exc:
+            result = CellResult(cell, "fail", note=str(exc))
+        results.append(result)
+        if on_result:
+            on_result(result)
+    return results
+
+
+def summarize(results: list[CellResult]) -> tuple[int, dict]:
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "deferred")}
+    rc = 0 if counts["fail"] == 0 and counts["pass"] > 0 else 1
+    return rc, counts
+
+
+def format_row(r: CellResult) -> str:
+    marks = " ".join(f"{c.name}={'same' if c.identical else 'DIFF'}" for c in r.checks) or r.note
+    extra = ""
+    logits = next((c for c in r.checks if c.name == "logits"), None)
+    if logits and not logits.identical:
+        d = logits.detail
+        extra = (f" first_diff_pos={d.get('first_diff_pos')} max_abs={d.get('max_abs', 0):.4g}"
+                 f" kld={d.get('mean_kld', 0):.3g} top1={d.get('top1_agreement', 0):.3f}")
+    expect = "" if r.cell.expect == "identical" else " (expect mismatch)"
+    return f"{r.status.upper():8} {r.cell.label:52} {marks}{extra}{expect} [{r.seconds:.1f}s]"
+
+
+def to_json(results: list[CellResult], counts: dict) -> str:
+    rows = []
+    for r in results:
+        rows.append({"cell": asdict(r.cell), "label": r.cell.label, "status": r.status, "note": r.note,
+                     "seconds": round(r.seconds, 2), "checks": [asdict(c) for c in r.checks]})
+    return json.dumps({"counts": counts, "cells": rows}, indent=1)

@@ -1,0 +1,161 @@
+"""The identity matrix: cells read from a TOML file in ci/, expanded from axes, with named subsets.
+
+A file has `[models.NAME]` (how to synthesise each model), `[axes]` (the columns: each a list of values),
+`[defaults]` (options every cell starts from), `[subsets.NAME]` (`pairwise = true`: a small set of cells
+that covers every pair of values of every two axes at least once; or `where = {axis = [values]}` to filter
+the product), and `[[controls]]` (extra cells, e.g. negative controls that must be reported as mismatches).
+Every option of a cell is checked: an unknown name or value is an error naming the file and the cell.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from pyllama_moe.errors import UserError
+
+AXES = ("model", "offload", "ubatch", "load", "knobs", "backend")
+BACKENDS = ("cpu", "cuda")
+LOADS = ("mmap", "none")
+EXPECTS = ("identical", "mismatch")
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    offload: str = "cpu-moe"  # all | cpu-moe | ncmoe-N | ngl-N
+    ubatch: int = 512
+    load: str = "mmap"
+    knobs: str = "off"  # a name from [knobs]: environment for the candidate
+    backend: str = "cpu"
+    baseline: str = "master"
+    candidate: str = "patched"
+    baseline_repack: bool = True
+    candidate_repack: bool = True
+    expect: str = "identical"
+    fit: str = "off"
+    prompt_tokens: int = 600
+    generate: int = 128
+    perplexity: bool = True
+    ppl_ctx: int = 128
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return f"{self.backend}/{self.model}/{self.offload}/ub{self.ubatch}/{self.load}/{self.knobs}"
+
+    def placement(self) -> dict:
+        """RunSpec fields for the offload column."""
+        if self.offload == "all":
+            return {}
+        if self.offload == "cpu-moe":
+            return {"cpu_moe": True}
+        kind, _, n = self.offload.partition("-")
+        return {"n_cpu_moe": int(n)} if kind == "ncmoe" else {"n_gpu_layers": int(n)}
+
+
+CELL_FIELDS = {f.name: f for f in fields(Cell)}
+
+
+@dataclass
+class Matrix:
+    path: Path
+    models: dict[str, dict]
+    knobs: dict[str, dict[str, str]]
+    axes: dict[str, list]
+    defaults: dict
+    subsets: dict[str, dict]
+    controls: list[dict] = field(default_factory=list)
+
+    def cells(self, subset: str | None = None) -> list[Cell]:
+        if subset is None or subset == "full":
+            combos = self._product()
+        elif subset not in self.subsets:
+            raise UserError(f"{self.path}: no subset named {subset!r}", f"use one of: full, {', '.join(self.subsets)}")
+        else:
+            spec = self.subsets[subset]
+            combos = self._product(spec.get("where"))
+            if spec.get("pairwise"):
+                combos = pairwise_cover(combos, [a for a in AXES if a in self.axes])
+        where = (self.subsets.get(subset) or {}).get("where") or {}
+        cells = [self._cell({**self.defaults, **combo}, f"cell {combo}") for combo in combos]
+        controls = [self._cell({**self.defaults, **ctl}, f"control {ctl.get('name', '?')}") for ctl in self.controls]
+        # a control belongs to a subset when it matches the subset's filter on the axes it names
+        cells += [c for c in controls if all(getattr(c, a) in vals for a, vals in where.items())]
+        return cells
+
+    def _product(self, where: dict | None = None) -> list[dict]:
+        names = [a for a in AXES if a in self.axes]
+        values = [[v for v in self.axes[a] if not where or a not in where or v in where[a]] for a in names]
+        return [dict(zip(names, combo)) for combo in itertools.product(*values)]
+
+    def _cell(self, options: dict, where: str) -> Cell:
+        for key in options:
+            if key not in CELL_FIELDS:
+                raise UserError(f"{self.path}: {where} has unknown option {key!r}",
+                                f"use one of: {', '.join(sorted(CELL_FIELDS))}")
+        cell = Cell(**options)
+        self._check(cell, where)
+        return cell
+
+    def _check(self, cell: Cell, where: str) -> None:
+        def bad(what: str, allowed) -> UserError:
+            return UserError(f"{self.path}: {where}: {what}", f"use one of: {', '.join(map(str, allowed))}")
+
+        if cell.model not in self.models:
+            raise bad(f"unknown model {cell.model!r}", self.models)
+        if cell.knobs not in self.knobs:
+            raise bad(f"unknown knobs {cell.knobs!r}", self.knobs)
+        if cell.backend not in BACKENDS:
+            raise bad(f"unknown backend {cell.backend!r}", BACKENDS)
+        if cell.load not in LOADS:
+            raise bad(f"unknown load mode {cell.load!r}", LOADS)
+        if cell.expect not in EXPECTS:
+            raise bad(f"unknown expect {cell.expect!r}", EXPECTS)
+        for variant in (cell.baseline, cell.candidate):
+            if variant not in ("master", "patched"):
+                raise bad(f"unknown build {variant!r}", ("master", "patched"))
+        kind, _, n = cell.offload.partition("-")
+        if cell.offload not in ("all", "cpu-moe") and not (kind in ("ncmoe", "ngl") and n.isdigit()):
+            raise bad(f"unknown offload {cell.offload!r}", ("all", "cpu-moe", "ncmoe-N", "ngl-N"))
+        if cell.fit not in ("on", "off"):
+            raise bad(f"unknown fit {cell.fit!r}", ("on", "off"))
+
+
+def pairwise_cover(combos: list[dict], axes: list[str]) -> list[dict]:
+    """A greedy subset of `combos` covering every (axis a = x, axis b = y) pair that occurs in `combos`."""
+    def pairs(combo: dict) -> set:
+        return {(a, combo[a], b, combo[b]) for a, b in itertools.combinations(axes, 2)}
+
+    uncovered = set().union(*(pairs(c) for c in combos)) if combos else set()
+    chosen = []
+    while uncovered:
+        best = max(combos, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen
+
+
+def load_matrix(path: Path) -> Matrix:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise UserError(f"matrix file {path} does not exist", "pass one of the files in ci/ (e.g. ci/matrix.toml)") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"matrix file {path} is not valid TOML ({exc})", "fix the syntax") from exc
+    known = {"models", "knobs", "axes", "defaults", "subsets", "controls"}
+    unknown = set(data) - known
+    if unknown:
+        raise UserError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}", f"use: {', '.join(sorted(known))}")
+    axes = data.get("axes", {})
+    for axis in axes:
+        if axis not in AXES:
+            raise UserError(f"{path}: unknown axis {axis!r}", f"use one of: {', '.join(AXES)}")
+    knobs = {"off": {}, **data.get("knobs", {})}
+    return Matrix(path, data.get("models", {}), knobs, axes, data.get("defaults", {}), data.get("subsets", {}),
+                  data.get("controls", []))

@@ -1,0 +1,90 @@
+import json
+import shutil
+
+import pytest
+
+from pyllama_moe import ffi
+from pyllama_moe.build import Build, BuildSpec, build, build_key, find_build, read_stamp, STAMP_NAME
+from pyllama_moe.errors import UserError
+from pyllama_moe.trees import Tree
+
+
+def test_master_key_ignores_patch_inputs_and_patched_key_follows_them(tmp_path):
+    master_a = BuildSpec(Tree("master", tmp_path, "pin:x", ""))
+    patched_a = BuildSpec(Tree("patched", tmp_path, "pin:x", "inputs-a"))
+    patched_b = BuildSpec(Tree("patched", tmp_path, "pin:x", "inputs-b"))
+    assert "patch_inputs" not in build_key(master_a)[1]
+    assert build_key(patched_a)[0] != build_key(patched_b)[0]
+    assert build_key(patched_a)[0] == build_key(BuildSpec(Tree("patched", tmp_path, "pin:x", "inputs-a")))[0]
+    other_opts = BuildSpec(Tree("master", tmp_path, "pin:x", ""), extra_options=("-DGGML_OPENMP=OFF",))
+    assert build_key(master_a)[0] != build_key(other_opts)[0]
+    assert build_key(master_a)[0] != build_key(BuildSpec(Tree("master", tmp_path, "pin:y", "")))[0]
+
+
+def test_cuda_backend_without_nvcc_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDACXX", raising=False)
+    monkeypatch.setattr("pyllama_moe.build.tool_path", lambda name: "/usr/bin/cmake")
+    monkeypatch.setattr("pyllama_moe.build._first_line", lambda cmd: "some compiler 1.0")
+    with pytest.raises(UserError, match="--backend cuda needs nvcc"):
+        build_key(BuildSpec(Tree("master", tmp_path, "pin:x", ""), backend="cuda"))
+
+
+def test_failed_build_leaves_other_builds_alone(tmp_path, patched_build, master_build, monkeypatch):
+    monkeypatch.setenv("PYLLAMA_MOE_HOME", str(tmp_path / "home"))
+    broken = tmp_path / "tree"
+    broken.mkdir()
+    (broken / "CMakeLists.txt").write_text("this is not cmake(\n")
+    with pytest.raises(UserError, match=r"configure master failed .*full log: .*build.log"):
+        build(BuildSpec(Tree("master", broken, "pin:broken", "")))
+    failed_dirs = list((tmp_path / "home" / "builds").iterdir())
+    assert len(failed_dirs) == 1 and read_stamp(failed_dirs[0]) is None
+    for good in (patched_build, master_build):
+        assert read_stamp(good.path)["key"] == good.key
+
+
+def test_unstamped_dir_is_not_a_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYLLAMA_MOE_HOME", str(tmp_path))
+    with pytest.raises(UserError, match="no finished master/cpu build"):
+        find_build("master", "cpu", "0123")
+
+
+def test_loader_accepts_the_patched_build_and_reads_its_key(patched_build):
+    lib = ffi.load(patched_build)
+    info = lib.build_info()
+    assert info["key"] == patched_build.key and info["variant"] == "patched"
+    assert info["pin"].endswith("@0c1e57098")
+
+
+def test_master_has_no_symbol_of_ours(master_build):
+    lib = ffi.load(master_build)
+    assert lib.build_info() is None
+    with pytest.raises(AttributeError):
+        lib.llama_moe_build_info
+
+
+def test_loader_refuses_a_key_that_is_not_stamped(patched_build):
+    wrong = Build(patched_build.path, "0" * 24, "patched", "cpu")
+    with pytest.raises(UserError, match="is not a finished build with key 000"):
+        ffi.load(wrong)
+
+
+def test_loader_refuses_a_library_whose_embedded_key_differs(patched_build, tmp_path):
+    fake = tmp_path / "fake-build"
+    shutil.copytree(patched_build.bin_dir, fake / "bin", symlinks=True)
+    stamp = read_stamp(patched_build.path)
+    stamp["key"] = "f" * 24
+    (fake / STAMP_NAME).write_text(json.dumps(stamp))
+    with pytest.raises(UserError, match=f"embeds key {patched_build.key}"):
+        ffi.load(Build(fake, "f" * 24, "patched", "cpu"))
+
+
+def test_loader_refuses_master_presented_as_patched(master_build):
+    with pytest.raises(UserError, match="not a patched build"):
+        ffi.load(Build(master_build.path, master_build.key, "patched", "cpu"))
+
+
+def test_cdef_comes_from_the_header_alone():
+    cdef = ffi.cdef_from_header()
+    assert "llama_moe_build_info" in ffi.declared_functions(cdef)
+    assert "#" not in cdef

@@ -1,0 +1,79 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from pyllama_moe.compare import logit_diagnostics, summarize, CellResult
+from pyllama_moe.errors import UserError
+from pyllama_moe.matrix import AXES, load_matrix, pairwise_cover
+from pyllama_moe.paths import CI_DIR
+
+
+def test_ci_subset_covers_every_pair_of_cpu_column_values():
+    m = load_matrix(CI_DIR / "matrix.toml")
+    ci = [c for c in m.cells("ci") if not c.name]
+    axes = [a for a in AXES if a in m.axes]
+    wanted = set()
+    for combo in m._product({"backend": ["cpu"]}):
+        wanted |= {(a, combo[a], b, combo[b]) for a, b in itertools.combinations(axes, 2)}
+    got = set()
+    for c in ci:
+        got |= {(a, getattr(c, a), b, getattr(c, b)) for a, b in itertools.combinations(axes, 2)}
+    assert wanted <= got
+    assert len(ci) < len(m.cells("cpu"))
+
+
+def test_cpu_subset_has_both_models_both_load_modes_both_ubatches():
+    cells = [c for c in load_matrix(CI_DIR / "matrix.toml").cells("cpu") if c.expect == "identical"]
+    assert {(c.model, c.load, c.ubatch) for c in cells} >= {
+        (m, lm, ub) for m in ("qwen3moe", "glm4moe") for lm in ("mmap", "none") for ub in (512, 2048)}
+
+
+def test_pairwise_cover_is_exact_on_a_small_product():
+    combos = [dict(zip("abc", v)) for v in itertools.product([0, 1], [0, 1], [0, 1, 2])]
+    chosen = pairwise_cover(combos, list("abc"))
+    for x, y in (("a", "b"), ("a", "c"), ("b", "c")):
+        assert {(c[x], c[y]) for c in chosen} == {(c[x], c[y]) for c in combos}
+
+
+def _matrix_file(tmp_path, text):
+    path = tmp_path / "m.toml"
+    path.write_text('[models.m]\narch = "qwen3moe"\n[axes]\nmodel = ["m"]\n' + text)
+    return path
+
+
+def test_unknown_cell_option_is_named(tmp_path):
+    m = load_matrix(_matrix_file(tmp_path, '[defaults]\nwarp_speed = 9\n'))
+    with pytest.raises(UserError, match="unknown option 'warp_speed'"):
+        m.cells()
+
+
+def test_unknown_value_and_axis_are_named(tmp_path):
+    m = load_matrix(_matrix_file(tmp_path, '[defaults]\noffload = "gpu-moe"\n'))
+    with pytest.raises(UserError, match="unknown offload 'gpu-moe'"):
+        m.cells()
+    with pytest.raises(UserError, match="unknown axis 'colour'"):
+        load_matrix(_matrix_file(tmp_path, 'colour = ["red"]\n'))
+    with pytest.raises(UserError, match="does not exist"):
+        load_matrix(tmp_path / "missing.toml")
+
+
+def test_logit_diagnostics_locate_the_first_difference():
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((6, 50)).astype(np.float32)
+    same = logit_diagnostics(base, base.copy())
+    assert same["first_diff_pos"] is None and same["max_abs"] == 0.0 and same["top1_agreement"] == 1.0
+    cand = base.copy()
+    cand[3, 7] += 0.5
+    cand[5] = -cand[5]
+    d = logit_diagnostics(base, cand)
+    assert d["first_diff_pos"] == 3 and d["positions_differing"] == 2
+    assert d["max_abs"] == pytest.approx(float(np.max(np.abs(2 * base[5]))), rel=1e-6)
+    assert d["mean_kld"] > 0 and d["top1_agreement"] < 1.0
+
+
+def test_a_run_with_no_passed_cell_fails():
+    assert summarize([])[0] == 1
+    assert summarize([CellResult(None, "deferred")])[0] == 1
+    assert summarize([CellResult(None, "pass"), CellResult(None, "deferred")])[0] == 0
+    assert summarize([CellResult(None, "pass"), CellResult(None, "fail")])[0] == 1
