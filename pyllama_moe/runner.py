@@ -52,13 +52,11 @@ class RunResult:
 
 
 def check_model(path: Path) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"model {path} does not exist", "pass the path of a GGUF file (make one with `pyllama-moe synth`)")
-    with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise UserError(f"model {path} is not a GGUF file", "pass a .gguf model")
-    return path.resolve()
+    """A readable, whole GGUF file (header parsed, every tensor inside the file), else a UserError."""
+    from pyllama_moe.synth.gguf_read import read_gguf
+
+    read_gguf(path)
+    return Path(path).resolve()
 
 
 def worker_env(build: Build, src: Source, extra: dict[str, str] | None = None) -> dict[str, str]:

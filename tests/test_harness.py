@@ -1,0 +1,65 @@
+"""End to end on the CPU builds: the identity subset CI runs, the runner's bad inputs, the A/B bench."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pyllama_moe import runner
+from pyllama_moe.errors import UserError
+from pyllama_moe.paths import PROJECT_ROOT
+
+
+def _cli(*args, timeout=1800):
+    return subprocess.run([sys.executable, "-m", "pyllama_moe", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, patched_build, tmp_path):
+    out = tmp_path / "compare.json"
+    proc = _cli("compare", "--baseline", "master", "--candidate", "patched", "--subset", "ci", "--json", str(out))
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cells = report["cells"]
+    identity = [c for c in cells if c["cell"]["expect"] == "identical"]
+    assert len(identity) >= 7 and all(c["status"] == "pass" for c in identity)
+    assert {c["cell"]["model"] for c in identity} == {"qwen3moe", "glm4moe"}
+    for cell in identity:
+        checks = {c["name"]: c for c in cell["checks"]}
+        assert set(checks) == {"logits", "text", "perplexity"} and all(c["identical"] for c in checks.values())
+        assert checks["logits"]["detail"]["positions"] == 600 and checks["text"]["detail"]["tokens"] == 128
+    control = next(c for c in cells if c["cell"]["expect"] == "mismatch")
+    assert control["status"] == "pass"
+    logits = next(c for c in control["checks"] if c["name"] == "logits")
+    assert not logits["identical"]
+    assert logits["detail"]["first_diff_pos"] == 0 and logits["detail"]["max_abs"] > 0
+    assert 0 <= logits["detail"]["top1_agreement"] <= 1 and logits["detail"]["mean_kld"] > 0
+
+
+def test_runner_refuses_missing_and_truncated_models(patched_build, src, tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        runner.run(patched_build, src, runner.RunSpec(model=tmp_path / "nope.gguf", prompt="x"))
+    from pyllama_moe import models
+    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.paths import CI_DIR
+
+    good = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(UserError, match="truncated"):
+        runner.run(patched_build, src, runner.RunSpec(model=cut, prompt="x"))
+
+
+def test_bench_reports_a_ratio_per_test(master_build, patched_build, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _cli("bench", "--synth", "qwen3moe", "--rounds", "2", "--reps", "1", "--json", str(out), "--",
+                "-p", "64", "-n", "4", "-t", "2", "--fit", "off")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| pp64 ub512" in proc.stdout and "| tg4 ub512" in proc.stdout
+    tests = json.loads(out.read_text())["tests"]
+    assert len(tests) == 2
+    for t in tests:
+        assert len(t["samples"]["baseline"]) == 2 and len(t["samples"]["candidate"]) == 2  # rounds x reps
+        assert t["ratio"] == pytest.approx(t["median_candidate"] / t["median_baseline"])
