@@ -12,7 +12,7 @@ from pyllama_moe.errors import UserError
 from pyllama_moe.paths import CI_DIR
 
 DEFAULT_MATRIX = CI_DIR / "matrix.toml"
-DEFAULT_BENCH_ARGS = ["-p", "512", "-n", "32", "-ub", "512", "-t", "2", "--fit", "off"]
+DEFAULT_BENCH_ARGS = ["-p", "512", "-n", "32", "-ub", "512", "-t", "2"]  # llama-bench fits only with -fitt
 
 
 def _threads(args) -> int:

@@ -152,8 +152,11 @@ class Harness:
         cand_out = _run_perplexity(cand_build, _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads),
                                    {**run_env, **env})
         base_v, cand_v = _ppl_values(base_out), _ppl_values(cand_out)
-        if base_v["final"] is None or cand_v["final"] is None:
-            raise UserError(f"llama-perplexity printed no final estimate for {cell.label}", "run it by hand to see why")
+        for out, values in ((base_out, base_v), (cand_out, cand_v)):
+            if values["final"] is None:
+                tail = " / ".join(out.strip().splitlines()[-3:])
+                raise UserError(f"llama-perplexity printed no final estimate for {cell.label} ({tail})",
+                                "run it by hand to see why")
         same = base_v == cand_v
         detail = {"ppl_base": base_v["final"], "ppl_candidate": cand_v["final"]}
         if not same:

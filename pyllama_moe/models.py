@@ -40,7 +40,7 @@ def ensure_model(name: str, definition: dict) -> Path:
     path = cache_dir("models") / f"{name}-{_digest(definition)}.gguf"
     if path.is_file():
         return path
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # concurrent makers never share a file
     args = ["synth", "-o", str(tmp)]
     for key, value in sorted(definition.items()):
         args += [f"--{key.replace('_', '-')}", str(value)]
@@ -53,7 +53,7 @@ def ensure_corpus(model: Path, tokens: int = 4000, seed: int = 0) -> Path:
     path = model.with_name(f"{model.stem}-corpus-{tokens}-{seed}.txt")
     if path.is_file():
         return path
-    tmp = path.with_name(path.name + ".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     _run_cli(["corpus", "--model", str(model), "--tokens", str(tokens), "--seed", str(seed), "-o", str(tmp)], "corpus")
     os.replace(tmp, path)
     return path

@@ -15,7 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
+# Load the build's libllama (and so its libstdc++) before any other extension module: on the GPU machine an
+# import that came first (numpy, in its Python environment) brought a libstdc++ that the CUDA build's C++ code
+# then crashed against (segfault while printing model info), where preloading the system one fixed it.
+if os.environ.get("LLAMA_CPP_LIB_PATH"):
+    ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libllama.so"), mode=ctypes.RTLD_GLOBAL)
+
+import numpy as np  # noqa: E402
 
 # what common/common.h calls LLM_FFN_EXPS_REGEX: the expert tensors --cpu-moe and -ncmoe keep on the CPU
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"

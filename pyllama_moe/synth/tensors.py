@@ -1,0 +1,179 @@
+"""Which tensors each architecture needs, and the weight statistics that make routing behave like a real model.
+
+Random weights left to themselves make MoE routing collapse onto a few experts in deep layers: whatever every
+token has in common (a bias direction, a mean) is amplified layer after layer until the router sees the same
+input for every token. The recipe here keeps the residual stream token-dependent and puts the only shared
+component exactly where we want it:
+
+* The token embedding is big (std EMBD_STD) and every sublayer adds a perturbation of about `residual_scale`
+  of it (RMS): matrices that read the normalised stream are scaled so their outputs are ~N(0, 1), and the
+  output projections (attn_output, ffn_down*) are scaled for the target, allowing for how much attention
+  mixing and the weighted sum over the top-k experts shrink things. After 48 layers at 0.1 the last layer's
+  stream still has cosine ~0.75 with the first layer's: the token identity stays visible, and what the
+  layers add depends on the token too.
+* Attention is peaky (q and k gain QK_GAIN), as in trained models; a flat average over all positions would
+  cancel out to nothing.
+* Coordinate 0 of the residual stream is a "massive activation", the same large constant in every token
+  embedding (real LLMs have such dimensions). Every matrix that reads the stream ignores it (its weight 0 is
+  zero) and every matrix that writes the stream leaves it alone (its row 0 is zero), so it stays constant
+  through all layers and leaks into nothing -- except the routers.
+* Each MoE layer has its own random router. Columns 1.. give token-dependent logits of std ~1 (scaled per
+  layer for the expected growth of the stream). Column 0 reads the massive activation, so `router[e, 0]` is
+  effectively a per-expert bias: `skew * z_e` in units of the token-dependent spread, with z_e drawn per
+  layer from a centred, standardised exponential distribution (a few experts far more popular than the
+  rest). skew = 0 makes column 0 zero: popularity is uniform. With 128 experts / top-8 / 512 tokens the
+  top-10% of experts get ~14% of the selections at skew 0, ~47% at skew 0.5 (measured, results/routes.md).
+* Q4_0/Q8_0 codes get random-signed scales (see quant.py) so no matrix has a mean, the SwiGLU experts have
+  zero-mean outputs by symmetry, and glm4moe's v bias is zero, so no layer adds a shared direction by
+  accident. (glm4moe's exp_probs_b is nearly zero for the same reason: skew comes from the router only.)
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from pyllama_moe.synth.quant import TensorSpec
+from pyllama_moe.synth.shapes import ModelShape
+
+EMBD_STD = 8.0  # per-coordinate std of the token embedding (large enough that small projections keep
+#                 their f16 block scales well away from subnormals)
+SWIGLU_RMS = 0.596  # RMS of silu(g) * u for g, u ~ N(0, 1)
+ATTN_OUT_RMS = 0.8  # rough RMS of an attention head's output (a few V rows mixed) for V ~ N(0, 1)
+QK_GAIN = 2.0  # q and k are scaled by this: attention logits of std ~4 make attention peaky, as in real
+#                models, instead of an average over all positions that cancels out to nothing
+ROUTER_LOGIT_STD = 1.0  # token-dependent spread of the router logits
+PROBS_BIAS_STD = 0.001  # glm4moe's selection bias (exp_probs_b): tiny, so it doesn't skew on its own
+
+
+def massive_value(n_embd: int) -> float:
+    # a quarter of the embedding's squared norm sits in coordinate 0
+    return EMBD_STD * math.sqrt((n_embd - 1) / 3.0)
+
+
+class _Stream:
+    """The expected residual stream: its token-dependent part grows by `a` (in RMS, relative to the embedding)
+    per sublayer; coordinate 0 stays at massive_value. Used to scale readers so their outputs are ~N(0, 1)."""
+
+    def __init__(self, n: int, a: float):
+        self.n, self.a, self.m = n, a, massive_value(n)
+
+    def h_rand(self, sublayers_before: int) -> float:
+        """Per-coordinate RMS of the token-dependent coordinates after RMSNorm."""
+        rand = EMBD_STD * math.sqrt(1 + sublayers_before * self.a ** 2)
+        rms = math.sqrt((self.m ** 2 + (self.n - 1) * rand ** 2) / self.n)
+        return rand / rms
+
+    def h0(self, sublayers_before: int) -> float:
+        """Coordinate 0 after RMSNorm."""
+        rand = EMBD_STD * math.sqrt(1 + sublayers_before * self.a ** 2)
+        return self.m / math.sqrt((self.m ** 2 + (self.n - 1) * rand ** 2) / self.n)
+
+    def read_std(self, sublayers_before: int) -> float:
+        return 1.0 / (math.sqrt(self.n - 1) * self.h_rand(sublayers_before))
+
+
+def gate_weight_rms(n_expert: int, k: int, sigmoid: bool) -> float:
+    """sqrt(E[sum of squared expert weights]) for top-k routing with normalised weights and N(0,1) logits:
+    how much a weighted sum of k independent expert outputs shrinks. A fixed-seed Monte Carlo estimate."""
+    rng = np.random.default_rng(12345)
+    logits = rng.standard_normal((4096, n_expert)) * ROUTER_LOGIT_STD
+    top = np.sort(logits, axis=1)[:, -k:]
+    p = 1 / (1 + np.exp(-top)) if sigmoid else np.exp(top - top[:, -1:])
+    w = p / p.sum(axis=1, keepdims=True)
+    return float(np.sqrt((w ** 2).sum(axis=1).mean()))
+
+
+def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: float = 0.1) -> list[TensorSpec]:
+    """Every tensor of the model, in file order."""
+    s, a = shape, residual_scale
+    n = s.n_embd
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    glm = s.arch == "glm4moe"
+    stream = _Stream(n, a)
+
+    def reader(name: str, rows: int, std: float, experts: int = 0) -> TensorSpec:
+        shp = (experts, rows, n) if experts else (rows, n)
+        return TensorSpec(name, shp, qtype, std=std, in0=0.0)
+
+    def writer(name: str, width: int, std: float, experts: int = 0) -> TensorSpec:
+        shp = (experts, n, width) if experts else (n, width)
+        return TensorSpec(name, shp, qtype, std=std, zero_out0=True)
+
+    def const(name: str, size: int, value: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (size,), QT.F32, values=lambda: np.full(size, value, np.float32))
+
+    def small(name: str, size: int, std: float) -> TensorSpec:
+        key = [seed, zlib.crc32(name.encode())]
+        return TensorSpec(name, (size,), QT.F32, values=lambda: np.random.default_rng(key).normal(0, std, size))
+
+    def down_std(width: int, share: float = 1.0, w_rms: float = 1.0) -> float:
+        # a SwiGLU block's output adds `share * a` of the embedding's RMS to the stream
+        return share * a * EMBD_STD / (SWIGLU_RMS * math.sqrt(width) * w_rms)
+
+    specs = [TensorSpec("token_embd.weight", (s.n_vocab, n), QT.F16, std=EMBD_STD, in0=massive_value(n))]
+    attn_out_std = a * EMBD_STD / (math.sqrt(q_dim) * ATTN_OUT_RMS)
+    w_rms = gate_weight_rms(s.n_expert, s.n_expert_used, sigmoid=glm)
+    # glm4moe splits the FFN perturbation between the routed and the shared experts
+    share = 1 / math.sqrt(2) if glm else 1.0
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        r_attn, r_ffn = stream.read_std(2 * il), stream.read_std(2 * il + 1)
+        qk = QK_GAIN if glm else 1.0  # qwen3moe gets its gain from the q/k norm weights instead
+        specs += [const(p + "attn_norm.weight", n),
+                  reader(p + "attn_q.weight", q_dim, r_attn * qk), reader(p + "attn_k.weight", kv_dim, r_attn * qk),
+                  reader(p + "attn_v.weight", kv_dim, r_attn)]
+        if glm:  # GLM-4.5 has q/k/v biases and no q/k norms. A v bias passes through attention unchanged
+            #      and adds the same vector to every token, layer after layer: keep it zero
+            specs += [small(p + "attn_q.bias", q_dim, 0.1), small(p + "attn_k.bias", kv_dim, 0.1),
+                      const(p + "attn_v.bias", kv_dim, 0.0)]
+        specs.append(writer(p + "attn_output.weight", q_dim, attn_out_std))
+        if not glm:
+            specs += [const(p + "attn_q_norm.weight", s.head_dim, QK_GAIN),
+                      const(p + "attn_k_norm.weight", s.head_dim, QK_GAIN)]
+        specs.append(const(p + ("post_attention_norm.weight" if glm else "ffn_norm.weight"), n))
+
+        if il < s.n_dense_lead:
+            specs += [reader(p + "ffn_gate.weight", s.n_ff, r_ffn), reader(p + "ffn_up.weight", s.n_ff, r_ffn),
+                      writer(p + "ffn_down.weight", s.n_ff, down_std(s.n_ff))]
+            continue
+        specs.append(_router(p + "ffn_gate_inp.weight", s, stream, 2 * il + 1, skew, seed))
+        if glm:
+            specs.append(small(p + "exp_probs_b.bias", s.n_expert, PROBS_BIAS_STD))
+        specs += [reader(p + "ffn_gate_exps.weight", s.expert_ff, r_ffn, s.n_expert),
+                  reader(p + "ffn_up_exps.weight", s.expert_ff, r_ffn, s.n_expert),
+                  writer(p + "ffn_down_exps.weight", s.expert_ff, down_std(s.expert_ff, share, w_rms), s.n_expert)]
+        if glm:
+            sh_ff = s.expert_ff * s.n_shared
+            specs += [reader(p + "ffn_gate_shexp.weight", sh_ff, r_ffn),
+                      reader(p + "ffn_up_shexp.weight", sh_ff, r_ffn),
+                      writer(p + "ffn_down_shexp.weight", sh_ff, down_std(sh_ff, share))]
+
+    # output head: Q8_0 like llama.cpp's own low-bit quantizations keep it at higher precision; it ignores
+    # the massive coordinate so logits carry no per-token offset from it
+    specs += [const("output_norm.weight", n),
+              TensorSpec("output.weight", (s.n_vocab, n), QT.Q8_0, std=stream.read_std(2 * s.n_layer), in0=0.0)]
+    return specs
+
+
+def _router(name: str, s: ModelShape, stream: _Stream, sublayers_before: int, skew: float,
+            seed: int) -> TensorSpec:
+    n = s.n_embd
+    # columns 1..: token-dependent logits of std ROUTER_LOGIT_STD; column 0 reads the massive coordinate and
+    # gives expert e the offset skew * z_e (in the same units)
+    col_std = ROUTER_LOGIT_STD * stream.read_std(sublayers_before)
+    h0 = stream.h0(sublayers_before)
+
+    def values() -> np.ndarray:
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        w = np.empty((s.n_expert, n), np.float32)
+        w[:, 1:] = rng.standard_normal((s.n_expert, n - 1)) * col_std
+        z = rng.exponential(size=s.n_expert) - 1.0
+        z = (z - z.mean()) / (z.std() or 1.0)
+        w[:, 0] = skew * ROUTER_LOGIT_STD * z / h0
+        return w
+
+    return TensorSpec(name, (s.n_expert, n), QT.F32, values=values)
