@@ -167,7 +167,7 @@ def _run_logged(cmd: list[str], log: Path, label: str, cwd: Path | None = None) 
         tail = log.read_text(errors="replace").strip().splitlines()[-15:]
         sys.stderr.write("\n".join(tail) + "\n")
         raise UserError(f"{label} failed (exit {rc}); full log: {log}", "fix the error shown above and run the build again")
-    progress.finish()
+    progress.finish("done")
 
 
 def build(spec: BuildSpec) -> Build:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyllama_moe import models, runner
+from pyllama_moe import models, runner, source
 from pyllama_moe.build import Build, resolve
 from pyllama_moe.errors import UserError
 from pyllama_moe.matrix import Cell, Matrix
@@ -147,28 +147,30 @@ class Harness:
         return CellResult(cell, "pass" if ok else "fail", checks, seconds=time.monotonic() - started)
 
     def _perplexity(self, cell, model, corpus, base_build, cand_build, env) -> Check:
+        """Both builds write llama-perplexity's saved log-probs (`--kl-divergence-base`); identical files mean
+        identical perplexity inputs. The printed values are kept as information only: the tools' logger is
+        asynchronous and leaked at exit, so under load its last lines are sometimes never printed."""
         run_env = dict(os.environ)
-        base_out = _run_perplexity(base_build, _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads), run_env)
-        cand_out = _run_perplexity(cand_build, _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads),
-                                   {**run_env, **env})
-        base_v, cand_v = _ppl_values(base_out), _ppl_values(cand_out)
-        for out, values in ((base_out, base_v), (cand_out, cand_v)):
-            if values["final"] is None:
-                tail = " / ".join(out.strip().splitlines()[-3:])
-                raise UserError(f"llama-perplexity printed no final estimate for {cell.label} ({tail})",
-                                "run it by hand to see why")
-        same = base_v == cand_v
-        detail = {"ppl_base": base_v["final"], "ppl_candidate": cand_v["final"]}
-        if not same:
-            with tempfile.TemporaryDirectory(prefix="pyllama-moe-kld-") as tmp:
-                kld_file = str(Path(tmp) / "base.kld")
-                _run_perplexity(base_build, _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads)
-                                + ["--kl-divergence-base", kld_file], run_env)
-                out = _run_perplexity(cand_build, _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads)
-                                      + ["--kl-divergence-base", kld_file, "--kl-divergence"], {**run_env, **env})
+        with tempfile.TemporaryDirectory(prefix="pyllama-moe-ppl-") as tmp:
+            base_file, cand_file = str(Path(tmp) / "base.kld"), str(Path(tmp) / "candidate.kld")
+            base_args = _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads)
+            cand_args = _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads)
+            base_out = _run_perplexity(base_build, base_args + ["--kl-divergence-base", base_file], run_env)
+            cand_out = _run_perplexity(cand_build, cand_args + ["--kl-divergence-base", cand_file], {**run_env, **env})
+            digests = []
+            for path, build in ((base_file, base_build), (cand_file, cand_build)):
+                if not Path(path).is_file() or Path(path).stat().st_size == 0:
+                    raise UserError(f"llama-perplexity of the {build.variant} build wrote no log-probs for {cell.label}",
+                                    "run it by hand to see why")
+                digests.append(source.sha256_file(Path(path)))
+            same = digests[0] == digests[1]
+            detail = {"logprobs_sha256_base": digests[0], "logprobs_sha256_candidate": digests[1],
+                      "ppl_base": _ppl_values(base_out)["final"], "ppl_candidate": _ppl_values(cand_out)["final"]}
+            if not same:
+                out = _run_perplexity(cand_build, cand_args + ["--kl-divergence-base", base_file, "--kl-divergence"],
+                                      {**run_env, **env})
                 detail.update(_kld_summary(out))
         return Check("perplexity", same, detail)
-
 
 def needed_builds(cells: list[Cell]) -> set[tuple[str, str]]:
     return {(v, c.backend) for c in cells for v in (c.baseline, c.candidate)}

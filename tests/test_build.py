@@ -88,3 +88,9 @@ def test_cdef_comes_from_the_header_alone():
     cdef = ffi.cdef_from_header()
     assert "llama_moe_build_info" in ffi.declared_functions(cdef)
     assert "#" not in cdef
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(UserError, match="no working C/C\\+\\+ compiler .*no-such-cc.* install gcc"):
+        build_key(BuildSpec(Tree("master", tmp_path, "pin:x", "")))

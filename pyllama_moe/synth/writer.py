@@ -19,7 +19,7 @@ from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType
 
 from pyllama_moe.errors import UserError
 from pyllama_moe.synth import tensors
-from pyllama_moe.synth.progress import Progress
+from pyllama_moe.progress import Progress
 from pyllama_moe.synth.quant import chunk
 from pyllama_moe.synth.shapes import ModelShape
 from pyllama_moe.synth.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab
@@ -74,7 +74,7 @@ def write_model(path: str | os.PathLike, shape: ModelShape, qtype: str = "q4_0",
         w.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), spec.nbytes, raw_dtype=spec.qtype)
 
     total = sum(s.nbytes for s in specs)
-    bar = Progress(f"synth {path.name}", total, enabled=progress)
+    bar = Progress(f"synth {path.name}", total, "B", enabled=progress)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
