@@ -93,7 +93,9 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyllama-moe", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pyllama-moe",
+        description="Pinned llama.cpp + MoE offload patch series: fetch, patch, build, run, compare, benchmark.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = sub.add_parser("source", help="fetch + verify the pinned sdist; `source pack` writes a pruned source archive")
@@ -130,16 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _registries():
     """Verbs that live in their own modules register themselves here."""
-    import importlib
+    from pyllama_moe import cli_harness
+    from pyllama_moe.synth import cli as synth_cli
 
-    for name in ("pyllama_moe.cli_harness", "pyllama_moe.synth.cli"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name and exc.name != name.rsplit(".", 1)[0]:
-                raise
-            continue
-        yield module.register
+    return (cli_harness.register, synth_cli.register)
 
 
 def main(argv: list[str] | None = None) -> int:

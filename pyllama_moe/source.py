@@ -73,7 +73,8 @@ def fetch_sdist(pin: Pin, sdist: Path | None = None) -> Path:
         return cached
     with tempfile.TemporaryDirectory(dir=cache_dir("sdist")) as tmp:
         say(f"downloading {pin.package}=={pin.version} sdist with pip (about 75 MB)...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # `--no-binary :all:` would also force pip to compile the build backend's own dependencies from source
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", pin.package,
                "-q", "-d", tmp, f"{pin.package}=={pin.version}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / pin.filename
