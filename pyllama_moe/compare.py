@@ -24,7 +24,7 @@ import numpy as np
 from pyllama_moe import models, runner, source
 from pyllama_moe.build import Build, resolve
 from pyllama_moe.errors import UserError
-from pyllama_moe.matrix import Cell, Matrix
+from pyllama_moe.matrix import SIM_DEVICES, Cell, Matrix
 from pyllama_moe.progress import say
 from pyllama_moe.source import Source
 
@@ -113,18 +113,31 @@ class Harness:
         started = time.monotonic()
         if cell.backend == "cuda" and not shutil.which("nvidia-smi"):
             return CellResult(cell, "deferred", note="needs a CUDA GPU; none on this machine")
-        base_build = self.builds[(cell.baseline, cell.backend)]
-        cand_build = self.builds[(cell.candidate, cell.backend)]
+        base_build = self.builds[(cell.baseline, cell.build_backend)]
+        cand_build = self.builds[(cell.candidate, cell.build_backend)]
         model = models.ensure_model(cell.model, self.matrix.models[cell.model])
         corpus = models.ensure_corpus(model, tokens=max(4000, 2 * cell.ppl_ctx + 500))
         prompt = corpus.read_text()
-        env = self.matrix.knobs[cell.knobs]
+        env = dict(self.matrix.knobs[cell.knobs])
+        oplog = None
+        if cell.backend in SIM_DEVICES:
+            # the op log proves the candidate really ran on the simulated devices: without it a build lacking
+            # the sim backend would compute on the CPU and pass for the wrong reason
+            oplog = Path(tempfile.mkdtemp(prefix="pyllama-moe-sim-")) / "oplog.jsonl"
+            env.update(self.matrix.sim_env, GGML_SIM_DEVICES=str(SIM_DEVICES[cell.backend]))
         common = dict(model=model, prompt=prompt, n_ubatch=cell.ubatch, n_batch=max(cell.ubatch, 2048),
                       load_mode=cell.load, threads=self.threads, generate=cell.generate,
                       max_prompt_tokens=cell.prompt_tokens, **cell.placement())
         base = runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common))
-        cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=env, **common))
+        cand_env = {**env, "GGML_SIM_OPLOG": str(oplog)} if oplog else env
+        cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env, **common))
         checks = []
+        if oplog is not None:
+            used = _sim_devices_used(oplog)
+            shutil.rmtree(oplog.parent, ignore_errors=True)
+            if not used:
+                return CellResult(cell, "fail", note="the candidate did not run on the sim device (empty op log)",
+                                  seconds=time.monotonic() - started)
         same = base.logits_sha256 == cand.logits_sha256
         detail = {"sha256_base": base.logits_sha256, "sha256_candidate": cand.logits_sha256,
                   "positions": int(base.logits.shape[0])}
@@ -172,8 +185,22 @@ class Harness:
                 detail.update(_kld_summary(out))
         return Check("perplexity", same, detail)
 
+def _sim_devices_used(oplog: Path) -> set:
+    """Instances that computed a graph according to the sim op log."""
+    used = set()
+    if oplog.is_file():
+        for line in oplog.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("op") == "compute":
+                used.add(entry.get("instance"))
+    return used
+
+
 def needed_builds(cells: list[Cell]) -> set[tuple[str, str]]:
-    return {(v, c.backend) for c in cells for v in (c.baseline, c.candidate)}
+    return {(v, c.build_backend) for c in cells for v in (c.baseline, c.candidate)}
 
 
 def resolve_builds(cells: list[Cell], make: bool, archive_dir: Path | None, **source_kw) -> dict[tuple[str, str], Build]:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import itertools
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from pyllama_moe.errors import UserError
 
 AXES = ("model", "offload", "ubatch", "load", "knobs", "backend")
-BACKENDS = ("cpu", "cuda")
+# `sim` and `sim2`: the patched CPU build with one or two simulated accelerators (the `sim` test double)
+SIM_DEVICES = {"sim": 1, "sim2": 2}
+BACKENDS = ("cpu", *SIM_DEVICES, "cuda")
 LOADS = ("mmap", "none")
 EXPECTS = ("identical", "mismatch")
 
@@ -48,6 +50,11 @@ class Cell:
             return self.name
         return f"{self.backend}/{self.model}/{self.offload}/ub{self.ubatch}/{self.load}/{self.knobs}"
 
+    @property
+    def build_backend(self) -> str:
+        """The backend the builds of this cell are made for: sim devices live in the CPU build."""
+        return "cuda" if self.backend == "cuda" else "cpu"
+
     def placement(self) -> dict:
         """RunSpec fields for the offload column."""
         if self.offload == "all":
@@ -66,6 +73,7 @@ class Matrix:
     path: Path
     models: dict[str, dict]
     knobs: dict[str, dict[str, str]]
+    sim_env: dict[str, str]
     axes: dict[str, list]
     defaults: dict
     subsets: dict[str, dict]
@@ -99,6 +107,10 @@ class Matrix:
                 raise UserError(f"{self.path}: {where} has unknown option {key!r}",
                                 f"use one of: {', '.join(sorted(CELL_FIELDS))}")
         cell = Cell(**options)
+        if cell.backend in SIM_DEVICES:
+            # weights a device's host buffer holds are never repacked, so master on the CPU must not repack
+            # either for the two to compute the same thing (architecture doc, section 5)
+            cell = replace(cell, baseline_repack=False, candidate_repack=False)
         self._check(cell, where)
         return cell
 
@@ -119,6 +131,8 @@ class Matrix:
         for variant in (cell.baseline, cell.candidate):
             if variant not in ("master", "patched"):
                 raise bad(f"unknown build {variant!r}", ("master", "patched"))
+        if cell.backend in SIM_DEVICES and cell.candidate != "patched":
+            raise bad(f"a {cell.backend} cell needs the patched build as candidate, not {cell.candidate!r}", ("patched",))
         kind, _, n = cell.offload.partition("-")
         if cell.offload not in ("all", "cpu-moe") and not (kind in ("ncmoe", "ngl") and n.isdigit()):
             raise bad(f"unknown offload {cell.offload!r}", ("all", "cpu-moe", "ncmoe-N", "ngl-N"))
@@ -148,7 +162,7 @@ def load_matrix(path: Path) -> Matrix:
         raise UserError(f"matrix file {path} does not exist", "pass one of the files in ci/ (e.g. ci/matrix.toml)") from exc
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"matrix file {path} is not valid TOML ({exc})", "fix the syntax") from exc
-    known = {"models", "knobs", "axes", "defaults", "subsets", "controls"}
+    known = {"models", "knobs", "sim", "axes", "defaults", "subsets", "controls"}
     unknown = set(data) - known
     if unknown:
         raise UserError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}", f"use: {', '.join(sorted(known))}")
@@ -157,5 +171,5 @@ def load_matrix(path: Path) -> Matrix:
         if axis not in AXES:
             raise UserError(f"{path}: unknown axis {axis!r}", f"use one of: {', '.join(AXES)}")
     knobs = {"off": {}, **data.get("knobs", {})}
-    return Matrix(path, data.get("models", {}), knobs, axes, data.get("defaults", {}), data.get("subsets", {}),
+    return Matrix(path, data.get("models", {}), knobs, {k: str(v) for k, v in data.get("sim", {}).items()}, axes, data.get("defaults", {}), data.get("subsets", {}),
                   data.get("controls", []))
