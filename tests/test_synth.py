@@ -1,15 +1,13 @@
 """Synthetic models, tokenizer, corpus and routing histogram.
 
-The llama.cpp tests load the written files with the real library (through llama-cpp-python's ctypes bindings,
-in a child process). They look for the library in $PYLLAMA_MOE_TEST_LIB_DIR and for the folder containing the
-llama_cpp package in $PYLLAMA_MOE_TEST_LLAMA_CPP_PKG, and are skipped when either is missing.
+The llama.cpp tests load the written files with the real library (the project's master CPU build, through the
+sdist's llama-cpp-python ctypes bindings, in a child process).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +25,10 @@ from pyllama_moe.synth.shapes import resolve_shape
 from pyllama_moe.synth.tokenizer import SPACE, build_vocab
 from pyllama_moe.synth.writer import write_model
 
-# tiny models decode in well under a second on one thread; more threads only add spin-waiting when the
-# machine is busy with other work
-LIB_DIR = Path(os.environ.get("PYLLAMA_MOE_TEST_LIB_DIR", "/tmp/bm/bin"))
-PKG = Path(os.environ.get("PYLLAMA_MOE_TEST_LLAMA_CPP_PKG", "/tmp/sd/llama_cpp_python-0.3.36"))
-_missing = [str(p) for p in (LIB_DIR / "libllama.so", PKG / "llama_cpp" / "__init__.py") if not p.exists()]
-needs_llama = pytest.mark.skipif(
-    bool(_missing),
-    reason=f"llama.cpp not found ({', '.join(_missing)}): set PYLLAMA_MOE_TEST_LIB_DIR to a folder with "
-           "libllama.so and PYLLAMA_MOE_TEST_LLAMA_CPP_PKG to the folder containing llama_cpp/")
+@pytest.fixture(scope="session")
+def llama(master_build, src) -> tuple[Path, Path]:
+    """(folder with libllama, folder containing the llama_cpp package) of the project's master CPU build."""
+    return master_build.bin_dir, src.python_dir
 
 
 def _sha(path: Path) -> str:
@@ -124,10 +117,10 @@ def test_writer_is_deterministic(tmp_path):
 
 # --- llama.cpp -------------------------------------------------------------------------------------------
 
-@needs_llama
 @pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe"])
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
-def test_llama_cpp_loads_the_model_and_routes_across_experts(models, arch, qtype):
+def test_llama_cpp_loads_the_model_and_routes_across_experts(models, arch, qtype, llama):
+    LIB_DIR, PKG = llama
     r = route_histogram(models[arch, qtype], LIB_DIR, PKG, n_tokens=128, threads=1)
     assert r["logits"]["finite"] and r["logits"]["std"] > 0.1
     moe_layers = [1, 2, 3] if arch == "glm4moe" else [0, 1, 2, 3]
@@ -137,9 +130,9 @@ def test_llama_cpp_loads_the_model_and_routes_across_experts(models, arch, qtype
         assert L["used"] >= 14 and L["top10_share"] < 0.25, L  # skew 0: no collapse onto a few experts
 
 
-@needs_llama
 @pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe"])
-def test_deep_model_keeps_routing_spread_and_token_identity(tmp_path, arch):
+def test_deep_model_keeps_routing_spread_and_token_identity(tmp_path, arch, llama):
+    LIB_DIR, PKG = llama
     """48 layers: no drift toward a few experts in deep layers, and the token embedding stays visible."""
     shape = resolve_shape("tiny", arch, layers=48, experts=32, expert_ff=32, vocab=1024)
     r = route_histogram(write_model(tmp_path / "deep.gguf", shape, progress=False).path, LIB_DIR, PKG,
@@ -153,8 +146,8 @@ def test_deep_model_keeps_routing_spread_and_token_identity(tmp_path, arch):
     assert 0.5 < stream["cos_first"] < 0.95, stream  # layers add to the embedding without drowning it
 
 
-@needs_llama
-def test_skew_makes_a_few_experts_popular(tmp_path):
+def test_skew_makes_a_few_experts_popular(tmp_path, llama):
+    LIB_DIR, PKG = llama
     shape = resolve_shape("tiny", experts=32)
     flat = write_model(tmp_path / "flat.gguf", shape, skew=0.0, progress=False).path
     skewed = write_model(tmp_path / "skewed.gguf", shape, skew=1.0, progress=False).path
@@ -165,8 +158,8 @@ def test_skew_makes_a_few_experts_popular(tmp_path):
     assert b["summary"]["min_top10_share"] > a["summary"]["max_top10_share"] + 0.1
 
 
-@needs_llama
-def test_corpus_round_trips_through_llama_cpp_tokenizer(models, tmp_path):
+def test_corpus_round_trips_through_llama_cpp_tokenizer(models, tmp_path, llama):
+    LIB_DIR, PKG = llama
     model = models["qwen3moe", "q4_0"]
     text = corpus_from_model(model, n_tokens=5000, seed=1)
     (tmp_path / "c.txt").write_text(text, encoding="utf-8")
@@ -202,7 +195,8 @@ def _truncated(src: Path, dst: Path, n: int) -> Path:
     return dst
 
 
-def test_bad_inputs_raise_user_errors(models, tmp_path):
+def test_bad_inputs_raise_user_errors(models, tmp_path, llama):
+    LIB_DIR, PKG = llama
     good = models["qwen3moe", "q4_0"]
     cut_data = _truncated(good, tmp_path / "cut.gguf", good.stat().st_size // 2)
     cut_header = _truncated(good, tmp_path / "head.gguf", 500)
@@ -220,9 +214,8 @@ def test_bad_inputs_raise_user_errors(models, tmp_path):
         resolve_shape("tiny", experts_used=32)
     with pytest.raises(UserError, match="no libllama"):
         route_histogram(good, tmp_path, PKG)
-    if not _missing:
-        with pytest.raises(UserError, match="no llama_cpp package"):
-            route_histogram(good, LIB_DIR, tmp_path)
+    with pytest.raises(UserError, match="no llama_cpp package"):
+        route_histogram(good, LIB_DIR, tmp_path)
 
 
 # --- CLI -------------------------------------------------------------------------------------------------
@@ -238,7 +231,8 @@ def _run(*argv: str) -> int:
     return args.func(args)
 
 
-def test_cli_synth_and_corpus(tmp_path, capsys):
+def test_cli_synth_and_corpus(tmp_path, capsys, llama):
+    LIB_DIR, PKG = llama
     model = tmp_path / "m.gguf"
     assert _run("synth", "--preset", "tiny", "--arch", "glm4moe", "--type", "q8_0", "--layers", "3",
                 "--skew", "0.5", "--seed", "2", "--quiet", "-o", str(model)) == 0
@@ -253,12 +247,12 @@ def test_cli_synth_and_corpus(tmp_path, capsys):
         _run("corpus", "--model", str(tmp_path / "none.gguf"))
     with pytest.raises(UserError):
         _run("routes", str(tmp_path / "none.gguf"), "--lib", str(LIB_DIR), "--llama-cpp-pkg", str(PKG))
-    with pytest.raises(SystemExit):  # --lib and --llama-cpp-pkg are required (for now)
-        _parser().parse_args(["routes", str(model)])
+    with pytest.raises(UserError, match="does not exist"):  # with the default library and package
+        _run("routes", str(tmp_path / "none.gguf"))
 
 
-@needs_llama
-def test_cli_routes_json(models, capsys):
+def test_cli_routes_json(models, capsys, llama):
+    LIB_DIR, PKG = llama
     import json
 
     assert _run("routes", str(models["qwen3moe", "q4_0"]), "--lib", str(LIB_DIR), "--llama-cpp-pkg", str(PKG),
