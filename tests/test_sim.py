@@ -25,27 +25,28 @@ PLACEMENTS = {"cpu-moe": dict(cpu_moe=True), "ncmoe-2": dict(n_cpu_moe=2), "ngl-
 @pytest.fixture(scope="module")
 def qwen3moe():
     model = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
-    return model, models.ensure_corpus(model).read_text()
+    # 600 fixed token ids (> 512, so ub 512 splits the prompt into a full and a partial ubatch)
+    return model, [(i * 7919) % 4000 + 16 for i in range(600)]
 
 
-def _run(build, src, model, prompt, env=None, **placement):
-    spec = runner.RunSpec(model=model, prompt=prompt, max_prompt_tokens=600, n_ubatch=512, repack=False,
-                          threads=2, generate=8, env=env or {}, **placement)
+def _run(build, src, model, tokens, env=None, **placement):
+    spec = runner.RunSpec(model=model, tokens=tokens, n_ubatch=512, repack=False, threads=2, generate=8,
+                          env=env or {}, **placement)
     return runner.run(build, src, spec)
 
 
 @pytest.fixture(scope="module")
 def master_logits(master_build, src, qwen3moe):
-    model, prompt = qwen3moe
-    return _run(master_build, src, model, prompt, cpu_moe=True)
+    model, tokens = qwen3moe
+    return _run(master_build, src, model, tokens, cpu_moe=True)
 
 
 @pytest.mark.parametrize("devices", ["1", "2"])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_sim_with_poison_and_latency_computes_master_bytes(patched_build, src, qwen3moe, master_logits, placement,
                                                            devices):
-    model, prompt = qwen3moe
-    got = _run(patched_build, src, model, prompt, env={**SIM_ENV, "GGML_SIM_DEVICES": devices}, **PLACEMENTS[placement])
+    model, tokens = qwen3moe
+    got = _run(patched_build, src, model, tokens, env={**SIM_ENV, "GGML_SIM_DEVICES": devices}, **PLACEMENTS[placement])
     assert "SIM0" in got.log, "SIM was not registered: " + got.log[-2000:]
     assert got.logits.shape[0] == 600
     assert got.logits_sha256 == master_logits.logits_sha256
@@ -53,16 +54,16 @@ def test_sim_with_poison_and_latency_computes_master_bytes(patched_build, src, q
 
 
 def test_skipping_the_scheduler_waits_is_caught(patched_build, src, qwen3moe, master_logits):
-    model, prompt = qwen3moe
-    got = _run(patched_build, src, model, prompt, env={**SIM_ENV, "GGML_SCHED_DEBUG_SKIP_WAIT": "1"}, cpu_moe=True)
+    model, tokens = qwen3moe
+    got = _run(patched_build, src, model, tokens, env={**SIM_ENV, "GGML_SCHED_DEBUG_SKIP_WAIT": "1"}, cpu_moe=True)
     assert "ggml_sim: race" in got.log
     assert got.logits_sha256 != master_logits.logits_sha256 or got.generated != master_logits.generated
 
 
 def test_op_log_shows_expert_copies_before_their_compute(patched_build, src, qwen3moe, tmp_path):
-    model, prompt = qwen3moe
+    model, tokens = qwen3moe
     log = tmp_path / "ops.jsonl"
-    _run(patched_build, src, model, prompt, env={**SIM_ENV, "GGML_SIM_OPLOG": str(log)}, cpu_moe=True)
+    _run(patched_build, src, model, tokens, env={**SIM_ENV, "GGML_SIM_OPLOG": str(log)}, cpu_moe=True)
     ops = [json.loads(line) for line in log.read_text().splitlines()]
     assert not [op for op in ops if op["op"] == "race"]
     stream = sorted((op for op in ops if op["inst"] >= 0), key=lambda op: op["seq"])
