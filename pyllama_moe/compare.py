@@ -133,11 +133,14 @@ class Harness:
         cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env, **common))
         checks = []
         if oplog is not None:
-            used = _sim_devices_used(oplog)
+            used, races = read_sim_oplog(oplog)
             shutil.rmtree(oplog.parent, ignore_errors=True)
             if not used:
                 return CellResult(cell, "fail", note="the candidate did not run on the sim device (empty op log)",
                                   seconds=time.monotonic() - started)
+            # a race is a read of memory a queued stream operation still wrote: a missing wait, even where the
+            # bytes happened to come out right
+            checks.append(Check("sim-races", races == 0, {"races": races, "devices": sorted(used)}))
         same = base.logits_sha256 == cand.logits_sha256
         detail = {"sha256_base": base.logits_sha256, "sha256_candidate": cand.logits_sha256,
                   "positions": int(base.logits.shape[0])}
@@ -156,7 +159,7 @@ class Harness:
         if cell.expect == "identical":
             ok = all(c.identical for c in checks)
         else:  # a negative control: the logits must be reported as different
-            ok = not checks[0].identical
+            ok = not next(c for c in checks if c.name == "logits").identical
         return CellResult(cell, "pass" if ok else "fail", checks, seconds=time.monotonic() - started)
 
     def _perplexity(self, cell, model, corpus, base_build, cand_build, env) -> Check:
@@ -185,9 +188,9 @@ class Harness:
                 detail.update(_kld_summary(out))
         return Check("perplexity", same, detail)
 
-def _sim_devices_used(oplog: Path) -> set:
-    """Instances that computed a graph according to the sim op log."""
-    used = set()
+def read_sim_oplog(oplog: Path) -> tuple[set, int]:
+    """(devices that computed a graph, races reported) according to a sim op log."""
+    used, races = set(), 0
     if oplog.is_file():
         for line in oplog.read_text().splitlines():
             try:
@@ -195,8 +198,9 @@ def _sim_devices_used(oplog: Path) -> set:
             except ValueError:
                 continue
             if entry.get("op") == "compute":
-                used.add(entry.get("instance"))
-    return used
+                used.add(entry.get("dev"))
+            races += entry.get("op") == "race"
+    return used, races
 
 
 def needed_builds(cells: list[Cell]) -> set[tuple[str, str]]:

@@ -26,16 +26,21 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
     identity = [c for c in cells if c["cell"]["expect"] == "identical"]
     assert len(identity) >= 7 and all(c["status"] == "pass" for c in identity)
     assert {c["cell"]["model"] for c in identity} == {"qwen3moe", "glm4moe"}
+    assert {c["cell"]["backend"] for c in identity} == {"cpu", "sim", "sim2"}
     for cell in identity:
         checks = {c["name"]: c for c in cell["checks"]}
-        assert set(checks) == {"logits", "text", "perplexity"} and all(c["identical"] for c in checks.values())
+        expected = {"logits", "text", "perplexity"} | ({"sim-races"} if cell["cell"]["backend"] != "cpu" else set())
+        assert set(checks) == expected and all(c["identical"] for c in checks.values())
         assert checks["logits"]["detail"]["positions"] == 600 and checks["text"]["detail"]["tokens"] == 128
-    control = next(c for c in cells if c["cell"]["expect"] == "mismatch")
-    assert control["status"] == "pass"
-    logits = next(c for c in control["checks"] if c["name"] == "logits")
-    assert not logits["identical"]
-    assert logits["detail"]["first_diff_pos"] is not None and logits["detail"]["max_abs"] > 0
-    assert 0 <= logits["detail"]["top1_agreement"] <= 1 and logits["detail"]["mean_kld"] > 0
+    controls = {c["cell"]["name"]: c for c in cells if c["cell"]["expect"] == "mismatch"}
+    assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait"}
+    for control in controls.values():
+        assert control["status"] == "pass"
+        logits = next(c for c in control["checks"] if c["name"] == "logits")
+        assert not logits["identical"]
+        assert logits["detail"]["first_diff_pos"] is not None
+    repack = next(c for c in controls["control/repack-on-vs-off"]["checks"] if c["name"] == "logits")["detail"]
+    assert repack["max_abs"] > 0 and 0 <= repack["top1_agreement"] <= 1 and repack["mean_kld"] > 0
 
 
 def test_runner_refuses_missing_and_truncated_models(patched_build, src, tmp_path):
