@@ -827,70 +827,51 @@ void check_device_buffer(sim_stream * st, const ggml_tensor * tensor) {
     GGML_ASSERT(buf && buf->buft == &st->dev->buft && "unsupported buffer type");
 }
 
+// queues n_copies rows of `size` bytes from src to dst (strides apart) on the stream; the four tensor
+// set/get entry points differ only in direction, so they all come through here
+void submit_strided_copy(sim_stream * st, const char * kind, const ggml_tensor * tensor, size_t offset,
+        char * dst, size_t stride_dst, const char * src, size_t stride_src, size_t size, size_t n_copies) {
+    sim_task task;
+    task.op.kind = kind; task.op.tensor = tensor->name; task.op.offset = offset; task.op.bytes = size * n_copies;
+    task.delay_ns = copy_delay_ns(size * n_copies);
+    if (n_copies > 0) {
+        task.reads  = { range_of(src, (n_copies - 1) * stride_src + size) };
+        task.writes = { range_of(dst, (n_copies - 1) * stride_dst + size) };
+    }
+    task.fn = [=] {
+        for (size_t i = 0; i < n_copies; i++) {
+            memcpy(dst + i * stride_dst, src + i * stride_src, size);
+        }
+    };
+    st->submit(std::move(task));
+}
+
 void sim_backend_set_tensor_async(ggml_backend_t backend, ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
     sim_stream * st = stream_of(backend);
     check_device_buffer(st, tensor);
-    char * dst = (char *) tensor->data + offset;
-    sim_task task;
-    task.op.kind = "set"; task.op.tensor = tensor->name; task.op.offset = offset; task.op.bytes = size;
-    task.delay_ns = copy_delay_ns(size);
-    task.reads  = { range_of(data, size) };
-    task.writes = { range_of(dst, size) };
-    task.fn = [dst, data, size] { memcpy(dst, data, size); };
-    st->submit(std::move(task));
+    submit_strided_copy(st, "set", tensor, offset, (char *) tensor->data + offset, 0, (const char *) data, 0, size, 1);
 }
 
 void sim_backend_get_tensor_async(ggml_backend_t backend, const ggml_tensor * tensor, void * data, size_t offset, size_t size) {
     sim_stream * st = stream_of(backend);
     check_device_buffer(st, tensor);
-    const char * src = (const char *) tensor->data + offset;
-    sim_task task;
-    task.op.kind = "get"; task.op.tensor = tensor->name; task.op.offset = offset; task.op.bytes = size;
-    task.delay_ns = copy_delay_ns(size);
-    task.reads  = { range_of(src, size) };
-    task.writes = { range_of(data, size) };
-    task.fn = [src, data, size] { memcpy(data, src, size); };
-    st->submit(std::move(task));
+    submit_strided_copy(st, "get", tensor, offset, (char *) data, 0, (const char *) tensor->data + offset, 0, size, 1);
 }
 
 void sim_backend_set_tensor_2d_async(ggml_backend_t backend, ggml_tensor * tensor, const void * data, size_t offset, size_t size,
         size_t n_copies, size_t stride_tensor, size_t stride_data) {
     sim_stream * st = stream_of(backend);
     check_device_buffer(st, tensor);
-    char * dst = (char *) tensor->data + offset;
-    sim_task task;
-    task.op.kind = "set"; task.op.tensor = tensor->name; task.op.offset = offset; task.op.bytes = size * n_copies;
-    task.delay_ns = copy_delay_ns(size * n_copies);
-    if (n_copies > 0) {
-        task.reads  = { range_of(data, (n_copies - 1) * stride_data + size) };
-        task.writes = { range_of(dst, (n_copies - 1) * stride_tensor + size) };
-    }
-    task.fn = [=] {
-        for (size_t i = 0; i < n_copies; i++) {
-            memcpy(dst + i * stride_tensor, (const char *) data + i * stride_data, size);
-        }
-    };
-    st->submit(std::move(task));
+    submit_strided_copy(st, "set", tensor, offset, (char *) tensor->data + offset, stride_tensor,
+            (const char *) data, stride_data, size, n_copies);
 }
 
 void sim_backend_get_tensor_2d_async(ggml_backend_t backend, const ggml_tensor * tensor, void * data, size_t offset, size_t size,
         size_t n_copies, size_t stride_tensor, size_t stride_data) {
     sim_stream * st = stream_of(backend);
     check_device_buffer(st, tensor);
-    const char * src = (const char *) tensor->data + offset;
-    sim_task task;
-    task.op.kind = "get"; task.op.tensor = tensor->name; task.op.offset = offset; task.op.bytes = size * n_copies;
-    task.delay_ns = copy_delay_ns(size * n_copies);
-    if (n_copies > 0) {
-        task.reads  = { range_of(src, (n_copies - 1) * stride_tensor + size) };
-        task.writes = { range_of(data, (n_copies - 1) * stride_data + size) };
-    }
-    task.fn = [=] {
-        for (size_t i = 0; i < n_copies; i++) {
-            memcpy((char *) data + i * stride_data, src + i * stride_tensor, size);
-        }
-    };
-    st->submit(std::move(task));
+    submit_strided_copy(st, "get", tensor, offset, (char *) data, stride_data,
+            (const char *) tensor->data + offset, stride_tensor, size, n_copies);
 }
 
 // device to device only, as ggml-cuda: other pairs fall back to the scheduler's synchronous copy
