@@ -9,6 +9,7 @@ no other directory.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -176,6 +177,18 @@ def build(spec: BuildSpec) -> Build:
         raise UserError(f"unknown backend {spec.backend!r}", f"use one of {', '.join(BACKENDS)}")
     key, record = build_key(spec)
     path = build_dir_for(spec.tree.variant, spec.backend, key)
+    # two processes asking for the same key (a test run next to a compare) take turns: the second finds the
+    # first one's stamp instead of wiping the directory under it
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process building {path.name}...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(spec, key, record, path)
+
+
+def _build_locked(spec: BuildSpec, key: str, record: dict, path: Path) -> Build:
     stamp = read_stamp(path)
     if stamp and stamp.get("key") == key and set(spec.targets) <= set(stamp.get("targets", [])):
         return Build(path, key, spec.tree.variant, spec.backend, stamp["targets"])

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Thread-sanitizer check of the SIM device and the scheduler on a few sim cells (issue 3; by hand, not in CI).
+#
+#   pyllama-moe build --variant patched --cmake-arg=-DGGML_SANITIZE_THREAD=ON --cmake-arg=-DLLAMA_SANITIZE_THREAD=ON \
+#       --cmake-arg=-DGGML_OPENMP=OFF --targets llama-perplexity,llama-completion
+#   ci/tsan-sim.sh <that build dir> <model.gguf> <corpus.txt>
+#
+# Runs llama-perplexity on SIM (1 and 2 devices, poison and copy latency on) for --cpu-moe, -ncmoe 2 and
+# -ngl 2, and prints every ThreadSanitizer report's top frames. Suppressions, each with its reason, are in
+# ci/tsan.supp; a report that mentions ggml-sim or the scheduler is ours and must not be suppressed.
+set -uo pipefail
+build=${1:?build dir}; model=${2:?model}; corpus=${3:?corpus}
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-/tmp/tsan-sim}; mkdir -p "$out"
+export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$here/tsan.supp"
+export GGML_SIM_POISON=1 GGML_SIM_COPY_LATENCY_US=50
+total=0
+for devices in 1 2; do
+  for place in "-cmoe" "-ncmoe 2" "-ngl 2"; do
+    name="sim${devices}${place// /}"
+    GGML_SIM_DEVICES=$devices "$build/bin/llama-perplexity" -m "$model" -f "$corpus" -c 1024 -b 1024 -ub 512 \
+        --chunks 1 -t 2 -nr --fit off -ngl 99 $place > "$out/$name.log" 2>&1
+    rc=$?
+    n=$(grep -c "WARNING: ThreadSanitizer" "$out/$name.log")
+    ours=$(grep -A12 "WARNING: ThreadSanitizer" "$out/$name.log" | grep -c "ggml-sim\|ggml-backend.cpp")
+    ppl=$(grep -o "Final estimate: PPL = [0-9.]*" "$out/$name.log")
+    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim or ggml-backend.cpp) $ppl"
+    total=$((total + n))
+  done
+done
+echo "total reports: $total"
+grep -h -A8 "WARNING: ThreadSanitizer" "$out"/*.log | grep -E "^WARNING|#[0-3] " | sort | uniq -c | sort -rn | head -40
