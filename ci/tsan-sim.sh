@@ -18,15 +18,22 @@ total=0
 for devices in 1 2; do
   for place in "-cmoe" "-ncmoe 2" "-ngl 2"; do
     name="sim${devices}${place// /}"
-    GGML_SIM_DEVICES=$devices "$build/bin/llama-perplexity" -m "$model" -f "$corpus" -c 1024 -b 1024 -ub 512 \
+    rm -f "$out/$name.ops.jsonl"
+    GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices "$build/bin/llama-perplexity" -m "$model" -f "$corpus" -c 1024 -b 1024 -ub 512 \
         --chunks 1 -t 2 -nr --fit off -ngl 99 $place > "$out/$name.log" 2>&1
     rc=$?
     n=$(grep -c "WARNING: ThreadSanitizer" "$out/$name.log")
     ours=$(grep -A12 "WARNING: ThreadSanitizer" "$out/$name.log" | grep -c "ggml-sim\|ggml-backend.cpp")
     ppl=$(grep -o "Final estimate: PPL = [0-9.]*" "$out/$name.log")
-    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim or ggml-backend.cpp) $ppl"
+    computes=$(grep -c '"op":"compute"' "$out/$name.ops.jsonl" 2>/dev/null)
+    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim or ggml-backend.cpp), ${computes:-0} graph computes on SIM, $ppl"
     total=$((total + n))
   done
 done
 echo "total reports: $total"
-grep -h -A8 "WARNING: ThreadSanitizer" "$out"/*.log | grep -E "^WARNING|#[0-3] " | sort | uniq -c | sort -rn | head -40
+grep -h -A8 "WARNING: ThreadSanitizer" "$out"/sim*.log | grep -E "^WARNING|#[0-3] " | sort | uniq -c | sort -rn | head -40
+# negative control: SIM's synchronize stops waiting, so the host reads memory its stream still writes; TSAN must
+# see that, or the zero above proves nothing
+GGML_SIM_DEBUG_SKIP_SYNC=1 GGML_SIM_DEVICES=1 "$build/bin/llama-perplexity" -m "$model" -f "$corpus" -c 1024 -b 1024 \
+    -ub 512 --chunks 1 -t 2 -nr --fit off -ngl 2 > "$out/negative-skip-sync.log" 2>&1
+echo "negative control (GGML_SIM_DEBUG_SKIP_SYNC=1, -ngl 2): $(grep -c "WARNING: ThreadSanitizer" "$out/negative-skip-sync.log") reports (expected: some)"
