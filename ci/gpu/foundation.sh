@@ -24,7 +24,7 @@ build)
     for v in master patched; do
         rm -f /tmp/plm-$v.rc
         setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant $v --archive $A/llama.cpp-$v.tar.gz -j 8 \
-            > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" &
+            > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
     done
     [ -f "$MODEL" ] || { time python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL.partial" \
         && mv "$MODEL.partial" "$MODEL"; } 2>&1 | tail -3
