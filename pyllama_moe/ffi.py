@@ -85,15 +85,40 @@ def library_path(build: Build) -> Path:
     return lib
 
 
+def _rebuild(build: Build) -> str:
+    return f"run `pyllama-moe build --variant {build.variant} --backend {build.backend}`"
+
+
+def check_stamp(build: Build) -> None:
+    stamp = read_stamp(build.path)
+    if not stamp or stamp.get("key") != build.key:
+        raise UserError(f"{build.path} is not a finished build with key {build.key} (stamp: {stamp and stamp.get('key')})",
+                        _rebuild(build))
+
+
+def check_embedded(build: Build, info: dict[str, str] | None, path: Path) -> None:
+    """Refuse a library whose embedded build info does not name `build` (master embeds none)."""
+    if build.variant == "master":
+        if info is not None:
+            raise UserError(f"{path} exports llama_moe_build_info, so it is not a master build", _rebuild(build))
+    elif info is None:
+        raise UserError(f"{path} has no llama_moe_build_info: it is not a patched build", _rebuild(build))
+    elif info.get("key") != build.key or info.get("variant") != build.variant:
+        raise UserError(f"{path} embeds key {info.get('key')} ({info.get('variant')}), the build dir is stamped {build.key}",
+                        _rebuild(build))
+
+
 def load(build: Build) -> MoeLib:
     """Open the build's libllama; refuse it unless the stamp and the embedded key match `build.key`."""
-    stamp = read_stamp(build.path)
-    rebuild = f"run `pyllama-moe build --variant {build.variant} --backend {build.backend}`"
-    if not stamp or stamp.get("key") != build.key:
-        raise UserError(f"{build.path} is not a finished build with key {build.key} (stamp: {stamp and stamp.get('key')})", rebuild)
+    check_stamp(build)
     path = library_path(build)
     ffi, names = _ffi()
-    lib = ffi.dlopen(str(path))
+    try:
+        lib = ffi.dlopen(str(path))
+    except OSError as exc:
+        raise UserError(f"cannot load {path}: {exc}",
+                        "if it names a missing std:: symbol, this process loaded an older libstdc++ first: import "
+                        "pyllama_moe.ffi before other extension modules, or set LD_PRELOAD to the system libstdc++") from exc
     present = []
     for name in names:
         try:
@@ -102,13 +127,5 @@ def load(build: Build) -> MoeLib:
         except AttributeError:
             pass
     moe = MoeLib(path, build, lib, ffi, tuple(present))
-    info = moe.build_info()
-    if build.variant == "master":
-        if info is not None:
-            raise UserError(f"{path} exports llama_moe_build_info, so it is not a master build", rebuild)
-    else:
-        if info is None:
-            raise UserError(f"{path} has no llama_moe_build_info: it is not a patched build", rebuild)
-        if info.get("key") != build.key or info.get("variant") != build.variant:
-            raise UserError(f"{path} embeds key {info.get('key')} ({info.get('variant')}), the build dir is stamped {build.key}", rebuild)
+    check_embedded(build, moe.build_info(), path)
     return moe

@@ -71,11 +71,11 @@ def worker_env(build: Build, src: Source, extra: dict[str, str] | None = None) -
 
 
 def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
-    ffi.load(build)  # refuse a library that is not the build asked for, before spending time on it
+    ffi.check_stamp(build)  # the worker checks the embedded key after loading the library
     model = check_model(spec.model)
     with tempfile.TemporaryDirectory(prefix="pyllama-moe-run-") as tmp:
         logits_path = Path(tmp) / "logits.npy"
-        req = {"model": str(model), "tokens": spec.tokens, "prompt": spec.prompt,
+        req = {"expect_build": {"key": build.key, "variant": build.variant}, "model": str(model), "tokens": spec.tokens, "prompt": spec.prompt,
                "max_prompt_tokens": spec.max_prompt_tokens, "n_gpu_layers": spec.n_gpu_layers,
                "cpu_moe": spec.cpu_moe, "n_cpu_moe": spec.n_cpu_moe, "load_mode": spec.load_mode,
                "repack": spec.repack, "n_ubatch": spec.n_ubatch, "n_batch": spec.n_batch, "threads": spec.threads,

@@ -92,10 +92,28 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
     return np.concatenate(rows, axis=0)
 
 
+def _check_build(lib_dir: Path, expect: dict) -> None:
+    """Refuse a library that is not the build the parent asked for (its embedded key; master has none)."""
+    lib = ctypes.CDLL(str(lib_dir / "libllama.so"))
+    fn = getattr(lib, "llama_moe_build_info", None)
+    if fn is not None:
+        fn.restype = ctypes.c_char_p
+    info = dict(p.split("=", 1) for p in fn().decode().split(";") if "=" in p) if fn is not None else None
+    if expect.get("variant") == "master":
+        ok = info is None
+    else:
+        ok = info is not None and info.get("key") == expect.get("key") and info.get("variant") == expect.get("variant")
+    if not ok:
+        raise RuntimeError(f"{lib_dir / 'libllama.so'} is not the {expect.get('variant')} build {expect.get('key')} "
+                           f"(it embeds {info}); rebuild it")
+
+
 def run(req: dict) -> dict:
     import llama_cpp as L
 
     lib_dir = Path(os.environ["LLAMA_CPP_LIB_PATH"])
+    if req.get("expect_build"):
+        _check_build(lib_dir, req["expect_build"])
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = int(req.get("n_gpu_layers", 99))
