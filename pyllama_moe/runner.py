@@ -75,7 +75,7 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
     model = check_model(spec.model)
     with tempfile.TemporaryDirectory(prefix="pyllama-moe-run-") as tmp:
         logits_path = Path(tmp) / "logits.npy"
-        req = {"expect_build": {"key": build.key, "variant": build.variant, "backend": build.backend}, "model": str(model), "tokens": spec.tokens, "prompt": spec.prompt,
+        req = {"expect_build": {"key": build.key, "variant": build.variant}, "model": str(model), "tokens": spec.tokens, "prompt": spec.prompt,
                "max_prompt_tokens": spec.max_prompt_tokens, "n_gpu_layers": spec.n_gpu_layers,
                "cpu_moe": spec.cpu_moe, "n_cpu_moe": spec.n_cpu_moe, "load_mode": spec.load_mode,
                "repack": spec.repack, "n_ubatch": spec.n_ubatch, "n_batch": spec.n_batch, "threads": spec.threads,

@@ -93,17 +93,19 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
 
 
 def _check_build(lib_dir: Path, expect: dict) -> None:
-    """Refuse a library that is not the build the parent asked for: the loader's own check, run here because
-    this process loaded the library first (see the top of this module)."""
-    from pyllama_moe.build import Build
-    from pyllama_moe.ffi import check_embedded, parse_build_info
-
+    """Refuse a library that is not the build the parent asked for (its embedded key; master has none)."""
     lib = ctypes.CDLL(str(lib_dir / "libllama.so"))
     fn = getattr(lib, "llama_moe_build_info", None)
     if fn is not None:
         fn.restype = ctypes.c_char_p
-    info = parse_build_info(fn().decode()) if fn is not None else None
-    check_embedded(Build(lib_dir.parent, expect["key"], expect["variant"], expect["backend"]), info, lib_dir / "libllama.so")
+    info = dict(p.split("=", 1) for p in fn().decode().split(";") if "=" in p) if fn is not None else None
+    if expect.get("variant") == "master":
+        ok = info is None
+    else:
+        ok = info is not None and info.get("key") == expect.get("key") and info.get("variant") == expect.get("variant")
+    if not ok:
+        raise RuntimeError(f"{lib_dir / 'libllama.so'} is not the {expect.get('variant')} build {expect.get('key')} "
+                           f"(it embeds {info}); rebuild it")
 
 
 def run(req: dict) -> dict:
