@@ -127,11 +127,17 @@ class Harness:
             env.update(self.matrix.sim_env, GGML_SIM_DEVICES=str(SIM_DEVICES[cell.backend]))
         common = dict(model=model, prompt=prompt, n_ubatch=cell.ubatch, n_batch=max(cell.ubatch, 2048),
                       load_mode=cell.load, threads=self.threads, generate=cell.generate,
-                      max_prompt_tokens=cell.prompt_tokens, **cell.placement())
+                      max_prompt_tokens=cell.prompt_tokens, eval_callback=cell.eval_callback, **cell.placement())
         base = runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common))
         cand_env = {**env, "GGML_SIM_OPLOG": str(oplog)} if oplog else env
-        cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env, **common))
+        # mode 1 (the default) prefetches on CUDA-family devices only, mode 2 on sim devices too
+        mode = env.get("GGML_SCHED_PREFETCH", "1")
+        prefetch_on = cell.candidate == "patched" and (mode == "2" or (mode == "1" and cell.backend == "cuda"))
+        cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env,
+                                                               stats=prefetch_on, **common))
         checks = []
+        if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
+            checks.append(prefetch_check(cell, env, cand.stats))
         if oplog is not None:
             used, races = read_sim_oplog(oplog)
             shutil.rmtree(oplog.parent, ignore_errors=True)
@@ -187,6 +193,17 @@ class Harness:
                                       {**run_env, **env})
                 detail.update(_kld_summary(out))
         return Check("perplexity", same, detail)
+
+def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check:
+    """The prefetch really took its path: prompt ubatches of at least min_batch tokens uploaded host weights
+    ahead, smaller ones bound the copies to the staging arena without uploading anything ahead."""
+    prompt = (stats or {}).get("prompt", {})
+    min_batch = int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "256"))
+    ahead = cell.ubatch >= min_batch and cell.prompt_tokens >= min_batch
+    uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
+    ok = arena > 0 and (uploads > 0 if ahead else uploads == 0)
+    return Check("prefetch", ok, {"expect_uploads_ahead": ahead, **prompt})
+
 
 def read_sim_oplog(oplog: Path) -> tuple[set, int]:
     """(devices that computed a graph, races reported) according to a sim op log."""

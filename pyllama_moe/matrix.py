@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pyllama_moe.errors import UserError
 
-AXES = ("model", "offload", "ubatch", "load", "knobs", "backend")
+AXES = ("model", "offload", "ubatch", "load", "knobs", "eval_callback", "backend")
 # `sim` and `sim2`: the patched CPU build with one or two simulated accelerators (the `sim` test double)
 SIM_DEVICES = {"sim": 1, "sim2": 2}
 BACKENDS = ("cpu", *SIM_DEVICES, "cuda")
@@ -31,6 +31,7 @@ class Cell:
     ubatch: int = 512
     load: str = "mmap"
     knobs: str = "off"  # a name from [knobs]: environment for the candidate
+    eval_callback: int = 0  # both builds observe every Nth node: the scheduler's chunked compute path (0: none)
     backend: str = "cpu"
     baseline: str = "master"
     candidate: str = "patched"
@@ -48,7 +49,8 @@ class Cell:
     def label(self) -> str:
         if self.name:
             return self.name
-        return f"{self.backend}/{self.model}/{self.offload}/ub{self.ubatch}/{self.load}/{self.knobs}"
+        cb = f"/cb{self.eval_callback}" if self.eval_callback else ""
+        return f"{self.backend}/{self.model}/{self.offload}/ub{self.ubatch}/{self.load}/{self.knobs}{cb}"
 
     @property
     def build_backend(self) -> str:

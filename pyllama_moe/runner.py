@@ -40,6 +40,9 @@ class RunSpec:
     generate: int = 0
     want_logits: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    eval_callback: int = 0  # observe every Nth node: the scheduler's chunked compute path (0: no callback)
+    stats: bool = False     # report llama-moe.h stats of the prompt and of the generation (patched builds)
+    prefetch: dict[str, int] | None = None  # per-context llama_moe_set_prefetch_params fields (patched builds)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class RunResult:
     generated: list[int]
     text: str
     log: str
+    stats: dict | None = None
 
 
 def check_model(path: Path) -> Path:
@@ -79,7 +83,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "max_prompt_tokens": spec.max_prompt_tokens, "n_gpu_layers": spec.n_gpu_layers,
                "cpu_moe": spec.cpu_moe, "n_cpu_moe": spec.n_cpu_moe, "load_mode": spec.load_mode,
                "repack": spec.repack, "n_ubatch": spec.n_ubatch, "n_batch": spec.n_batch, "threads": spec.threads,
-               "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None}
+               "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None,
+               "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch}
         proc = subprocess.run([sys.executable, "-m", "pyllama_moe.worker"], input=json.dumps(req), text=True,
                               capture_output=True, env=worker_env(build, src, spec.env))
         reply = _parse_reply(proc.stdout)
@@ -89,7 +94,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
             raise UserError(f"{build.variant} build {build.key} failed on {model.name}: "
                             f"{reply.get('error') or f'exit {proc.returncode}'}", "see the log lines above")
         logits = np.load(logits_path) if spec.want_logits else None
-    return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), proc.stderr)
+    return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), proc.stderr,
+                     reply.get("stats"))
 
 
 def _parse_reply(stdout: str) -> dict:

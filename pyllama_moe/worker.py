@@ -92,6 +92,51 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
     return np.concatenate(rows, axis=0)
 
 
+class _MoeApi:
+    """llama-moe.h of the loaded libllama through cffi (the same library llama_cpp loaded), for one context."""
+
+    FIELDS = ("n_graph_computes", "n_splits", "n_splits_host_input", "n_host_syncs", "n_host_syncs_upload",
+              "n_prefetch_uploads", "prefetch_upload_bytes")
+
+    def __init__(self, lib_dir: Path, ctx):
+        from pyllama_moe.ffi import _ffi
+
+        self.ffi, names = _ffi()
+        self.lib = self.ffi.dlopen(str(lib_dir / "libllama.so"))
+        self.names = set(names)
+        self.ctx = self.ffi.cast("struct llama_context *", ctypes.cast(ctx, ctypes.c_void_p).value)
+
+    def set_prefetch(self, params: dict) -> None:
+        p = self.ffi.new("struct llama_moe_prefetch_params *")
+        for key in ("mode", "depth", "min_batch", "headroom_mib"):
+            setattr(p, key, int(params.get(key, -1)))
+        self.lib.llama_moe_set_prefetch_params(self.ctx, p[0])
+
+    def reset_stats(self) -> None:
+        self.lib.llama_moe_reset_stats(self.ctx)
+
+    def stats(self) -> dict:
+        st = self.ffi.new("struct llama_moe_stats *")
+        self.lib.llama_moe_get_stats(self.ctx, st)
+        out = {k: int(getattr(st, k)) for k in self.FIELDS}
+        out["prefetch_devices"] = int(self.lib.llama_moe_prefetch_n_devices(self.ctx))
+        out["prefetch_arena_bytes"] = int(self.lib.llama_moe_prefetch_arena_size(self.ctx))
+        return out
+
+
+def _eval_callback(L, every: int):
+    """An eval callback that observes every `every`-th node: the scheduler then computes splits in chunks."""
+    seen = [0]
+
+    def cb(_tensor, ask, _user):
+        if not ask:
+            return True  # observed; go on
+        seen[0] += 1
+        return seen[0] % every == 0
+
+    return L.ggml_backend_sched_eval_callback(cb)
+
+
 def _check_build(lib_dir: Path, expect: dict) -> None:
     """Refuse a library that is not the build the parent asked for (its embedded key; master has none)."""
     lib = ctypes.CDLL(str(lib_dir / "libllama.so"))
@@ -139,13 +184,25 @@ def run(req: dict) -> dict:
     threads = int(req.get("threads") or min(4, os.cpu_count() or 1))
     cp.n_threads = cp.n_threads_batch = threads
     cp.no_perf = True
+    keep_cb = None
+    if req.get("eval_callback"):
+        keep_cb = cp.cb_eval = _eval_callback(L, int(req["eval_callback"]))
+        cp.cb_eval_user_data = None
     ctx = L.llama_init_from_model(model, cp)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
+    moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch")) else None
+    if req.get("prefetch"):
+        moe.set_prefetch(req["prefetch"])
     batch = L.llama_batch_init(n_batch, 0, 1)
     reply: dict = {"n_tokens": len(tokens), "n_vocab": n_vocab}
     try:
+        if moe and req.get("stats"):
+            moe.reset_stats()
         logits = _decode(L, ctx, batch, tokens, 0, bool(req.get("logits_out")), n_batch, n_vocab)
+        if moe and req.get("stats"):
+            reply["stats"] = {"prompt": moe.stats()}
+            moe.reset_stats()
         if req.get("logits_out"):
             logits = np.ascontiguousarray(logits, dtype=np.float32)
             np.save(req["logits_out"], logits)
@@ -158,8 +215,11 @@ def run(req: dict) -> dict:
             if step + 1 < n_gen:
                 last = _decode(L, ctx, batch, [tok], len(tokens) + step, False, n_batch, n_vocab)[-1]
         reply["generated"] = generated
+        if moe and req.get("stats"):
+            reply["stats"]["generate"] = moe.stats()
         reply["text"] = _detok(L, vocab, generated)
     finally:
+        del keep_cb  # the context held a pointer to it until here
         L.llama_batch_free(batch)
         L.llama_free(ctx)
         L.llama_model_free(model)

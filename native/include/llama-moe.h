@@ -22,6 +22,49 @@ extern "C" {
 // compares it with the key of the build directory it was asked to load.
 LLAMA_MOE_API const char * llama_moe_build_info(void);
 
+// --- host-weight prefetch ---
+// The copies of expert (and other host) weights that a GPU split reads are staged in a device arena the scheduler
+// owns and, for ubatches of at least min_batch tokens, uploaded on a second stream of the device up to depth - 1
+// splits ahead of the compute. Results are byte-identical with the prefetch on and off.
+//
+// Precedence, per field: per-context setter > process default (set below, or by a llama.cpp flag) > environment
+// (GGML_SCHED_PREFETCH, GGML_SCHED_PREFETCH_DEPTH, GGML_SCHED_PREFETCH_MIN_BATCH,
+// GGML_SCHED_PREFETCH_HEADROOM_MIB) > built-in (mode 1, depth 2, min_batch 256, headroom 512 MiB).
+struct llama_moe_prefetch_params {
+    int32_t mode;         // 0 off, 1 on for CUDA-family devices, 2 on for any device with async copies and events
+    int32_t depth;        // staging slots per device, 2..8
+    int32_t min_batch;    // smaller ubatches copy only the routed experts, at split time (no staging queue)
+    int32_t headroom_mib; // a reservation that would leave less device memory free drops the prefetch there
+};
+
+// The defaults a new context starts from. A negative field in the setter leaves that field as it is.
+LLAMA_MOE_API struct llama_moe_prefetch_params llama_moe_prefetch_default_params(void);
+LLAMA_MOE_API void llama_moe_set_prefetch_default_params(struct llama_moe_prefetch_params params);
+
+// Per context; the scheduler is reserved again at the next decode. A negative field leaves that field as it is.
+LLAMA_MOE_API struct llama_moe_prefetch_params llama_moe_get_prefetch_params(const struct llama_context * ctx);
+LLAMA_MOE_API void llama_moe_set_prefetch_params(struct llama_context * ctx, struct llama_moe_prefetch_params params);
+
+// Number of devices of the context whose scheduler prefetches now (0: off, unsupported, or dropped because the
+// staging arena did not fit), and the bytes of their staging arenas (part of the compute buffer sizes).
+LLAMA_MOE_API int32_t llama_moe_prefetch_n_devices(const struct llama_context * ctx);
+LLAMA_MOE_API size_t  llama_moe_prefetch_arena_size(const struct llama_context * ctx);
+
+// --- statistics ---
+// Counters of the context's scheduler since it was last reserved or the stats were reset.
+struct llama_moe_stats {
+    uint64_t n_graph_computes;      // graph computations (one per ubatch)
+    uint64_t n_splits;              // graph splits computed
+    uint64_t n_splits_host_input;   // splits that copied an input from host memory to a device at split time
+    uint64_t n_host_syncs;          // times the scheduler blocked the calling thread on a device
+    uint64_t n_host_syncs_upload;   // ... of them, to copy inputs from host memory to a device
+    uint64_t n_prefetch_uploads;    // weight copies uploaded ahead on a staging queue
+    uint64_t prefetch_upload_bytes; // bytes of those uploads
+};
+
+LLAMA_MOE_API void llama_moe_get_stats  (const struct llama_context * ctx, struct llama_moe_stats * stats);
+LLAMA_MOE_API void llama_moe_reset_stats(struct llama_context * ctx);
+
 // --- END CFFI ---
 
 #ifdef __cplusplus

@@ -66,6 +66,10 @@ GGML_API bool ggml_backend_sim_poison_async(ggml_backend_t backend, ggml_backend
 // number of races detected in this process so far (see above); "ggml_backend_sim_n_races" through get_proc_address
 GGML_API size_t ggml_backend_sim_n_races(void);
 
+// number of operations queued on all SIM streams (of every instance) that have not finished yet: lets a test
+// check that a call returned with nothing left running, e.g. a scheduler that drains its copy queue on abort
+GGML_API size_t ggml_backend_sim_n_pending(void);
+
 typedef bool   (*ggml_backend_sim_poison_t)      (ggml_backend_buffer_t buffer, size_t offset, size_t size);
 typedef bool   (*ggml_backend_sim_poison_async_t)(ggml_backend_t backend, ggml_backend_buffer_t buffer, size_t offset, size_t size);
 typedef size_t (*ggml_backend_sim_n_races_t)     (void);

@@ -1405,3 +1405,14 @@ bool ggml_backend_sim_poison_async(ggml_backend_t backend, ggml_backend_buffer_t
     stream_of(backend)->submit(std::move(task));
     return true;
 }
+
+size_t ggml_backend_sim_n_pending(void) {
+    sim_streams * s = streams();
+    std::lock_guard<std::mutex> lock(s->mutex);
+    size_t n = 0;
+    for (sim_stream * st : s->live) {
+        std::lock_guard<std::mutex> stream_lock(st->mutex);
+        n += (size_t) (st->n_submitted - st->n_done);
+    }
+    return n;
+}

@@ -1,0 +1,411 @@
+// test_prefetch_hazards.cpp: plants each hazard the scheduler's host-weight prefetch must avoid and checks that
+// the result is still right. Runs on the SIM test-double device (GGML_SIM_DEVICES=1) of a patched build, with
+// slow copies so that a copy issued too early or left running is visible, and poison on.
+//
+//   test_prefetch_hazards CASE      CASE: baseline | input-view | graph-writes-weight | arena-too-large |
+//                                         headroom | abort | small-batch
+//
+// Prints "ok CASE: ..." and exits 0, or "FAIL CASE: ..." and exits 1. Each case runs in its own process because
+// SIM reads its environment once.
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml-sim.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+static const int64_t K = 256; // rows of x, columns of the weights
+static const int64_t N = 256; // rows of the weights
+static const int64_t M = 64;  // tokens
+
+static int fail(const std::string & name, const std::string & why) {
+    printf("FAIL %s: %s\n", name.c_str(), why.c_str());
+    return 1;
+}
+
+// W[n][k] = small deterministic values; x[m][k] as given
+static std::vector<float> weight_values(int seed) {
+    std::vector<float> w(K * N);
+    for (int64_t i = 0; i < K * N; i++) {
+        w[i] = (float) (((i * 2654435761u + seed * 97u) % 1000) / 1000.0 - 0.5) / 16.0f;
+    }
+    return w;
+}
+
+// y[m][n] = sum_k W[n][k] * x[m][k] (ggml_mul_mat(W, x) with W [K, N], x [K, M])
+static std::vector<float> matmul(const std::vector<float> & w, const std::vector<float> & x, int64_t rows) {
+    std::vector<float> y(rows * M);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t n = 0; n < rows; n++) {
+            double acc = 0;
+            for (int64_t k = 0; k < K; k++) {
+                acc += (double) w[n * K + k] * x[m * K + k];
+            }
+            y[m * rows + n] = (float) acc;
+        }
+    }
+    return y;
+}
+
+static bool close_to(const std::vector<float> & got, const std::vector<float> & want, std::string & why) {
+    for (size_t i = 0; i < want.size(); i++) {
+        if (!(std::fabs(got[i] - want[i]) <= 1e-3f * (1.0f + std::fabs(want[i])))) {
+            char buf[160];
+            snprintf(buf, sizeof(buf), "element %zu is %g, expected %g", i, got[i], want[i]);
+            why = buf;
+            return false;
+        }
+    }
+    return true;
+}
+
+struct fixture {
+    ggml_backend_t        sim = nullptr;
+    ggml_backend_t        cpu = nullptr;
+    ggml_backend_sched_t  sched = nullptr;
+    ggml_context *        ctx_w = nullptr; // weights (host buffer, usage WEIGHTS)
+    ggml_backend_buffer_t buf_w = nullptr;
+    ggml_context *        ctx_g = nullptr; // graph
+    ggml_tensor *         w1 = nullptr;
+    ggml_tensor *         w2 = nullptr;
+    ggml_tensor *         xw = nullptr;    // an input that lives in the weights buffer (input-view case)
+
+    bool init(ggml_backend_sched_prefetch_params params) {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name("SIM0");
+        if (dev == nullptr) {
+            return false;
+        }
+        sim = ggml_backend_dev_init(dev, nullptr);
+        cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+        ggml_backend_t backends[2] = { sim, cpu };
+        sched = ggml_backend_sched_new(backends, nullptr, 2, 1024, false, true);
+        ggml_backend_sched_set_prefetch(sched, params);
+
+        ggml_init_params ip = { 8 * ggml_tensor_overhead(), nullptr, true };
+        ctx_w = ggml_init(ip);
+        w1 = ggml_new_tensor_2d(ctx_w, GGML_TYPE_F32, K, N);
+        w2 = ggml_new_tensor_2d(ctx_w, GGML_TYPE_F32, N, N);
+        xw = ggml_new_tensor_2d(ctx_w, GGML_TYPE_F32, K, M);
+        ggml_set_name(w1, "w1");
+        ggml_set_name(w2, "w2");
+        ggml_set_name(xw, "xw");
+        buf_w = ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, ggml_backend_cpu_buffer_type());
+        ggml_backend_buffer_set_usage(buf_w, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_tensor_set(w1, weight_values(1).data(), 0, ggml_nbytes(w1));
+        ggml_backend_tensor_set(w2, weight_values(2).data(), 0, ggml_nbytes(w2));
+
+        ggml_init_params gp = { 64 * ggml_tensor_overhead() + 2 * ggml_graph_overhead(), nullptr, true };
+        ctx_g = ggml_init(gp);
+        return true;
+    }
+
+    ~fixture() {
+        if (sched) {
+            ggml_backend_sched_free(sched);
+        }
+        if (ctx_g) {
+            ggml_free(ctx_g);
+        }
+        if (buf_w) {
+            ggml_backend_buffer_free(buf_w);
+        }
+        if (ctx_w) {
+            ggml_free(ctx_w);
+        }
+        if (sim) {
+            ggml_backend_free(sim);
+        }
+        if (cpu) {
+            ggml_backend_free(cpu);
+        }
+    }
+
+    // the matmul runs on SIM, whatever the batch
+    ggml_tensor * mm(ggml_tensor * w, ggml_tensor * x) {
+        ggml_tensor * y = ggml_mul_mat(ctx_g, w, x);
+        ggml_backend_sched_set_tensor_backend(sched, y, sim);
+        return y;
+    }
+
+    std::vector<float> get(ggml_tensor * t) {
+        std::vector<float> v(ggml_nelements(t));
+        ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
+        return v;
+    }
+};
+
+static ggml_backend_sched_prefetch_params prefetch_on(int min_batch = 32) {
+    ggml_backend_sched_prefetch_params p = ggml_backend_sched_prefetch_default_params();
+    p.mode      = GGML_BACKEND_SCHED_PREFETCH_ANY;
+    p.depth     = 2;
+    p.min_batch = min_batch;
+    p.headroom  = 0;
+    return p;
+}
+
+static std::vector<float> ones_x(float v) {
+    std::vector<float> x(K * M);
+    for (int64_t i = 0; i < K * M; i++) {
+        x[i] = v * (float) ((i % 7) + 1);
+    }
+    return x;
+}
+
+// two weight splits on SIM, both uploaded ahead (or copied at split time below min_batch); optional abort
+static int two_splits(const std::string & name, int min_batch, bool expect_ahead) {
+    fixture f;
+    if (!f.init(prefetch_on(min_batch))) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
+    ggml_set_input(x);
+    ggml_tensor * y1 = f.mm(f.w1, x);
+    ggml_tensor * y2 = f.mm(f.w2, y1);
+    ggml_set_output(y2);
+    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
+    ggml_build_forward_expand(gf, y2);
+    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
+        return fail(name, "alloc_graph failed");
+    }
+    const std::vector<float> xv = ones_x(0.25f);
+    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+    std::string why;
+    for (int rep = 0; rep < 3; rep++) { // the same allocation computed again, as llama.cpp reuses graphs
+        if (ggml_backend_sched_graph_compute(f.sched, gf) != GGML_STATUS_SUCCESS) {
+            return fail(name, "compute failed");
+        }
+        const std::vector<float> want = matmul(weight_values(2), matmul(weight_values(1), xv, N), N);
+        if (!close_to(f.get(y2), want, why)) {
+            return fail(name, "repetition " + std::to_string(rep) + ": " + why);
+        }
+    }
+    ggml_backend_sched_stats st;
+    ggml_backend_sched_get_stats(f.sched, &st);
+    const size_t staging = ggml_backend_sched_get_prefetch_size(f.sched, f.sim);
+    if (staging == 0) {
+        return fail(name, "no staging arena: the weight copies were not bound");
+    }
+    if (expect_ahead != (st.n_prefetch_uploads == 6)) {
+        return fail(name, "prefetch uploads: " + std::to_string(st.n_prefetch_uploads) + (expect_ahead ? ", expected 6" : ", expected 0"));
+    }
+    printf("ok %s: %llu uploads ahead, staging %zu bytes, %llu host syncs in 3 computes\n", name.c_str(),
+           (unsigned long long) st.n_prefetch_uploads, staging, (unsigned long long) st.n_host_syncs);
+    return 0;
+}
+
+// a user input reached through a view: the caller overwrites it as soon as compute_async returns
+static int input_view(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on())) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    ggml_set_input(f.xw); // an input in a host weights buffer: only its flag says it is not a weight
+    ggml_tensor * xv = ggml_view_2d(f.ctx_g, f.xw, K, M, f.xw->nb[1], 0);
+    ggml_tensor * y = f.mm(f.w1, xv);
+    ggml_set_output(y);
+    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
+    ggml_build_forward_expand(gf, y);
+    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
+        return fail(name, "alloc_graph failed");
+    }
+    const std::vector<float> x0 = ones_x(0.25f), x1 = ones_x(-1000.0f);
+    ggml_backend_tensor_set(f.xw, x0.data(), 0, ggml_nbytes(f.xw));
+    if (ggml_backend_sched_graph_compute_async(f.sched, gf) != GGML_STATUS_SUCCESS) {
+        return fail(name, "compute failed");
+    }
+    ggml_backend_tensor_set(f.xw, x1.data(), 0, ggml_nbytes(f.xw)); // the next batch's input, right away
+    ggml_backend_sched_synchronize(f.sched);
+    std::string why;
+    if (!close_to(f.get(y), matmul(weight_values(1), x0, N), why)) {
+        return fail(name, "the overwritten input reached the result: " + why);
+    }
+    printf("ok %s\n", name.c_str());
+    return 0;
+}
+
+// called before each CPU node: makes the CPU split slower than a SIM copy, so an upload issued before the
+// split ran reads the weight before it is written
+static bool slow_cpu(void *) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return false;
+}
+
+// a host weight the graph writes (ggml_cpy into it on the CPU) before a SIM split reads it
+static int graph_writes_weight(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on())) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    ggml_backend_cpu_set_abort_callback(f.cpu, slow_cpu, nullptr);
+    ggml_tensor * src = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, N);
+    ggml_set_input(src);
+    ggml_tensor * scaled = ggml_scale(f.ctx_g, src, 2.0f);
+    ggml_backend_sched_set_tensor_backend(f.sched, scaled, f.cpu);
+    ggml_tensor * written = ggml_cpy(f.ctx_g, scaled, f.w1); // w1 = 2 * src, computed on the CPU
+    ggml_backend_sched_set_tensor_backend(f.sched, written, f.cpu);
+    ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
+    ggml_set_input(x);
+    ggml_tensor * y = f.mm(written, x);
+    ggml_set_output(y);
+    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
+    ggml_build_forward_expand(gf, y);
+    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
+        return fail(name, "alloc_graph failed");
+    }
+    std::vector<float> s = weight_values(7);
+    ggml_backend_tensor_set(src, s.data(), 0, ggml_nbytes(src));
+    const std::vector<float> xv = ones_x(0.25f);
+    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+    if (ggml_backend_sched_graph_compute(f.sched, gf) != GGML_STATUS_SUCCESS) {
+        return fail(name, "compute failed");
+    }
+    for (float & v : s) {
+        v *= 2.0f;
+    }
+    std::string why;
+    if (!close_to(f.get(y), matmul(s, xv, N), why)) {
+        return fail(name, "the split read the weight before the graph wrote it: " + why);
+    }
+    printf("ok %s\n", name.c_str());
+    return 0;
+}
+
+// the staging arena does not fit (GGML_SIM_MEMORY_MIB small), or would leave less than the headroom free
+static int dropped(const std::string & name, bool by_headroom) {
+    fixture f;
+    ggml_backend_sched_prefetch_params p = prefetch_on();
+    if (by_headroom) {
+        p.headroom = (size_t) 1 << 40; // more than any device has
+    }
+    if (!f.init(p)) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    // a graph is split in place: reserve with one, compute another of the same shape (as llama.cpp does)
+    ggml_tensor * x = nullptr;
+    ggml_tensor * y2 = nullptr;
+    auto build = [&]() {
+        x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
+        ggml_set_input(x);
+        y2 = f.mm(f.w2, f.mm(f.w1, x));
+        ggml_set_output(y2);
+        ggml_cgraph * g = ggml_new_graph(f.ctx_g);
+        ggml_build_forward_expand(g, y2);
+        return g;
+    };
+    if (!ggml_backend_sched_reserve(f.sched, build())) {
+        return fail(name, "reserve failed");
+    }
+    ggml_cgraph * gf = build();
+    if (ggml_backend_sched_prefetch_enabled(f.sched, f.sim)) {
+        return fail(name, "the prefetch is still on: the arena was expected not to fit");
+    }
+    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
+        return fail(name, "alloc_graph failed after the prefetch was dropped");
+    }
+    const std::vector<float> xv = ones_x(0.25f);
+    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+    if (ggml_backend_sched_graph_compute(f.sched, gf) != GGML_STATUS_SUCCESS) {
+        return fail(name, "compute failed");
+    }
+    std::string why;
+    if (!close_to(f.get(y2), matmul(weight_values(2), matmul(weight_values(1), xv, N), N), why)) {
+        return fail(name, why);
+    }
+    if (ggml_backend_sched_get_prefetch_size(f.sched, f.sim) != 0) {
+        return fail(name, "a dropped prefetch still holds a staging arena");
+    }
+    printf("ok %s\n", name.c_str());
+    return 0;
+}
+
+static bool abort_now(void * data) {
+    return *(bool *) data;
+}
+
+// a CPU split between two prefetched SIM splits aborts: the second upload, issued ahead, must not outlive the call
+static int abort_mid_graph(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on())) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    bool abort_flag = true;
+    ggml_backend_cpu_set_abort_callback(f.cpu, abort_now, &abort_flag);
+    ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
+    ggml_set_input(x);
+    ggml_tensor * y1 = f.mm(f.w1, x);
+    ggml_tensor * h = ggml_scale(f.ctx_g, y1, 0.5f);
+    ggml_backend_sched_set_tensor_backend(f.sched, h, f.cpu);
+    ggml_tensor * y2 = f.mm(f.w2, h);
+    ggml_set_output(y2);
+    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
+    ggml_build_forward_expand(gf, y2);
+    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
+        return fail(name, "alloc_graph failed");
+    }
+    const std::vector<float> xv = ones_x(0.25f);
+    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+    const ggml_status st = ggml_backend_sched_graph_compute_async(f.sched, gf);
+    const size_t pending = ggml_backend_sim_n_pending();
+    if (st != GGML_STATUS_ABORTED) {
+        return fail(name, "the computation was not aborted (status " + std::to_string((int) st) + ")");
+    }
+    if (pending != 0) {
+        return fail(name, std::to_string(pending) + " SIM operations still queued after the aborted compute returned");
+    }
+    // the same graph again, not aborted: the slots hold what they should (the input again too: the CPU split
+    // may have reused its memory, as llama.cpp's set_inputs before every computation assumes)
+    abort_flag = false;
+    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+    if (ggml_backend_sched_graph_compute(f.sched, gf) != GGML_STATUS_SUCCESS) {
+        return fail(name, "compute after the abort failed");
+    }
+    std::vector<float> want = matmul(weight_values(1), xv, N);
+    for (float & v : want) {
+        v *= 0.5f;
+    }
+    std::string why;
+    if (!close_to(f.get(y2), matmul(weight_values(2), want, N), why)) {
+        return fail(name, "after the abort: " + why);
+    }
+    printf("ok %s\n", name.c_str());
+    return 0;
+}
+
+int main(int argc, char ** argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s baseline|small-batch|input-view|graph-writes-weight|arena-too-large|headroom|abort\n", argv[0]);
+        return 2;
+    }
+    const std::string name = argv[1];
+    if (name == "baseline") {
+        return two_splits(name, 32, true);
+    }
+    if (name == "small-batch") {
+        return two_splits(name, M + 1, false); // below min_batch: routed-only path into the slots, nothing ahead
+    }
+    if (name == "input-view") {
+        return input_view(name);
+    }
+    if (name == "graph-writes-weight") {
+        return graph_writes_weight(name);
+    }
+    if (name == "arena-too-large") {
+        return dropped(name, false);
+    }
+    if (name == "headroom") {
+        return dropped(name, true);
+    }
+    if (name == "abort") {
+        return abort_mid_graph(name);
+    }
+    fprintf(stderr, "unknown case %s\n", name.c_str());
+    return 2;
+}
