@@ -29,7 +29,10 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
     assert {c["cell"]["backend"] for c in identity} == {"cpu", "sim", "sim2"}
     for cell in identity:
         checks = {c["name"]: c for c in cell["checks"]}
-        expected = {"logits", "text", "perplexity"} | ({"sim-races"} if cell["cell"]["backend"] != "cpu" else set())
+        sim = cell["cell"]["backend"] != "cpu"
+        expected = {"logits", "text", "perplexity"} | ({"sim-races"} if sim else set())
+        # with the prefetch forced on, a sim cell also proves the copies went ahead (or, below the batch, did not)
+        expected |= {"prefetch"} if sim and cell["cell"]["knobs"].startswith("prefetch") else set()
         assert set(checks) == expected and all(c["identical"] for c in checks.values())
         assert checks["logits"]["detail"]["positions"] == 600 and checks["text"]["detail"]["tokens"] == 128
     controls = {c["cell"]["name"]: c for c in cells if c["cell"]["expect"] == "mismatch"}

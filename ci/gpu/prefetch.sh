@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Issue 4 on the GPU machine: CUDA builds of master and patched, identity cells with the host-weight prefetch
+# (on by default for CUDA), its poisoned-slot debug knob, compute-sanitizer, host syncs per decoded token, and
+# the A/B benchmark of the issue's targets on a Qwen3-30B-A3B-shaped Q4_0 model.
+#
+# Prepare on the CPU machine:
+#   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz
+#   pyllama-moe source pack --variant patched -o .work/archives/llama.cpp-patched.tar.gz
+#   cp312 wheels of cffi pycparser gguf diskcache in .whl/ (../shared/docs/gpu-workflow.md)
+# then, carrying .work/archives and .whl, run the steps in order, each as one device call:
+#   ci/gpu/prefetch.sh build     builds (detached) + the 30B model; waits for the builds while time allows
+#   ci/gpu/prefetch.sh check     identity cells (subsets gpu, gpu-variants), sanitizer, syncs per token
+#   ci/gpu/prefetch.sh bench     pyllama-moe bench: pp4096 ub 2048/4096, pp512, tg128, -lm none and mmap
+# Results land in $OUT (or ./gpu-out).
+set -uo pipefail
+step=${1:?usage: prefetch.sh build|check|bench}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH PYLLAMA_MOE_HOME=/tmp/plm PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+A=.work/archives
+MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
+T0=$SECONDS
+
+wait_builds() { # $1: seconds to wait at most; 0 when both builds finished and succeeded
+    for v in master patched; do
+        while [ ! -f /tmp/plm-$v.rc ]; do
+            [ $((SECONDS - T0)) -ge "$1" ] && { echo "build $v still running after $((SECONDS - T0)) s"; return 2; }
+            sleep 5
+        done
+        cp /tmp/plm-build-$v.log "$OUT/build-$v.log"
+        [ "$(cat /tmp/plm-$v.rc)" = 0 ] || { echo "build $v failed"; tail -30 /tmp/plm-build-$v.log; return 1; }
+    done
+    grep -h "build .*/cuda: done" "$OUT"/build-*.log
+}
+
+case $step in
+build)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    for v in master patched; do
+        rm -f /tmp/plm-$v.rc
+        setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant $v --archive $A/llama.cpp-$v.tar.gz -j 8 \
+            > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
+    done
+    [ -f "$MODEL" ] || { time python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL.partial" \
+        && mv "$MODEL.partial" "$MODEL"; } 2>&1 | tail -3
+    wait_builds 560
+    ;;
+check)
+    wait_builds 300 || exit 1
+    for s in gpu gpu-variants; do
+        python3 -m pyllama_moe compare --subset $s --archive-dir $A --json "$OUT/identity-$s.json" 2>&1 | tee "$OUT/identity-$s.txt"
+    done
+    python3 ci/gpu/syncs_per_token.py --archive-dir $A --model "$MODEL" 2>&1 | tee "$OUT/syncs.txt"
+    # stream ordering and memory: memcheck over a prefetched prompt (default mode 1 on CUDA) on a small model
+    P=$(python3 - <<'EOF'
+from pyllama_moe.build import resolve
+print(resolve("patched", "cuda", archive=__import__("pathlib").Path(".work/archives/llama.cpp-patched.tar.gz")).bin_dir)
+EOF
+)
+    SMALL=$(ls $PYLLAMA_MOE_HOME/models/qwen3moe-*.gguf | grep -v corpus | head -1)
+    CORPUS=$(ls $PYLLAMA_MOE_HOME/models/qwen3moe-*corpus*.txt | head -1)
+    head -c 4000 "$CORPUS" > /tmp/prompt.txt
+    for poison in 0 1; do
+        GGML_SCHED_PREFETCH_DEBUG_POISON=$poison timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 \
+            "$P/llama-completion" -m "$SMALL" -ngl 99 -cmoe -lm none -ub 512 -b 2048 -f /tmp/prompt.txt -n 8 \
+            --temp 0 --fit off -no-cnv > "$OUT/sanitizer-$poison.txt" 2>&1
+        echo "compute-sanitizer memcheck (debug poison $poison): exit $?"
+        grep -E "ERROR SUMMARY|host-weight prefetch" "$OUT/sanitizer-$poison.txt" | head -4
+    done
+    ;;
+bench)
+    wait_builds 60 || exit 1
+    # pp4096 at ub 2048 and 4096 with every expert on the host (-lm none: pinned) and with all on the GPU
+    python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+        --json "$OUT/bench-pp4096.json" -- -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none -t 16 \
+        2>&1 | tee "$OUT/bench-pp4096.txt"
+    # default mmap against -lm none at ub 2048 (the patched build's own ratio is the target)
+    python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+        --json "$OUT/bench-mmap.json" -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 48 -lm mmap,none -t 16 \
+        2>&1 | tee "$OUT/bench-mmap.txt"
+    # pp512 and tg128, host experts and all on the GPU
+    python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+        --json "$OUT/bench-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none -t 16 \
+        2>&1 | tee "$OUT/bench-pp512-tg128.txt"
+    ;;
+esac
+echo "step $step: $((SECONDS - T0)) s"
