@@ -84,7 +84,7 @@ def test_failed_registration_copies_experts_to_pinned_memory(patched_build, src,
     ops = _ops(log)
     assert [op["op"] for op in ops] == ["host_map"] and not ops[0]["ok"]  # one attempt, nothing to unmap
     # the copy went through the pinned buffer's set_tensor, one per expert tensor (3 per layer, 4 layers)
-    sets = [op for op in _ops(log, ("set",)) if "_exps" in op["tensor"] and op["inst"] == -1]
+    sets = [op for op in _ops(log, ("set",)) if "_exps" in op["tensor"] and op["dev"] == "SIM_Host"]
     assert len(sets) == 3 * 4
 
 
@@ -93,6 +93,39 @@ def test_no_room_for_a_copy_leaves_experts_pageable(patched_build, src, model, p
     got = _run(patched_build, src, model, {"GGML_SIM_HOST_MAP_FAIL": "1", "LLAMA_MOE_PIN_MARGIN_MIB": "1e12"})
     assert got.log.count("llama_moe: ") == 1 and PAGEABLE in got.log, got.log[-3000:]
     assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+
+
+GIB = 1 << 30
+# a container limit set on an ancestor of the process's cgroup (8 GiB, 7 used of which 0.5 inactive page cache;
+# v1: 4 GiB, 3 used, 0.5 inactive), with no limit on its own cgroup: 1.5 GiB of room, below the 2 GiB margin
+CGROUPS = {
+    "v2": {"proc/self/cgroup": "0::/a/b\n", "sys/fs/cgroup/cgroup.controllers": "memory\n",
+           "sys/fs/cgroup/a/b/memory.max": "max\n", "sys/fs/cgroup/a/b/memory.current": f"{GIB}\n",
+           "sys/fs/cgroup/a/memory.max": f"{8 * GIB}\n", "sys/fs/cgroup/a/memory.current": f"{7 * GIB}\n",
+           "sys/fs/cgroup/a/memory.stat": f"anon 1\ninactive_file {GIB // 2}\nactive_file 5\n"},
+    "v1": {"proc/self/cgroup": "5:cpu,cpuacct:/\n4:memory:/x/y\n0::/\n",
+           "sys/fs/cgroup/memory/x/y/memory.limit_in_bytes": "9223372036854771712\n",
+           "sys/fs/cgroup/memory/x/y/memory.usage_in_bytes": f"{GIB}\n",
+           "sys/fs/cgroup/memory/x/memory.limit_in_bytes": f"{4 * GIB}\n",
+           "sys/fs/cgroup/memory/x/memory.usage_in_bytes": f"{3 * GIB}\n",
+           "sys/fs/cgroup/memory/x/memory.stat": f"cache 1\ntotal_inactive_file {GIB // 2}\n"},
+}
+
+
+@pytest.mark.parametrize("version", sorted(CGROUPS))
+def test_cgroup_limit_up_the_hierarchy_caps_the_copy(patched_build, model, tmp_path, version):
+    files = {"proc/meminfo": "MemTotal:       67108864 kB\nMemFree:        1 kB\nMemAvailable:   62914560 kB\n",
+             **CGROUPS[version]}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    tool = patched_build.tool("llama-completion")
+    env = {**os.environ, **SIM_ENV, "GGML_SIM_HOST_MAP_FAIL": "1", "LLAMA_MOE_PIN_FS_ROOT": str(tmp_path)}
+    proc = subprocess.run([str(tool), "-m", str(model), "-ngl", "99", "-cmoe", "--no-repack", "--fit", "off", "-p", "hi",
+                           "-n", "1", "-no-cnv", "--temp", "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 60 GiB MemAvailable, capped by the ancestor's room; the margin is 2 GiB since 1/16 of the limit is less
+    assert PAGEABLE in proc.stderr and "+ a 2.00 GiB margin, 1.50 GiB available" in proc.stderr, proc.stderr[-3000:]
 
 
 # two contexts on one model, in one process, through llama_cpp; the setter must beat the environment

@@ -27,7 +27,8 @@ LLAMA_MOE_API const char * llama_moe_build_info(void);
 // loading a model with a GPU whose backend can page-lock host memory registers the mapped expert range with it
 // (each context of the model holds a reference too); if that fails, the experts are copied once into the GPU's
 // pinned host memory when they fit in the memory available (MemAvailable and cgroup limits, minus a margin of
-// max(2 GiB, 1/16 of the total), env LLAMA_MOE_PIN_MARGIN_MIB overrides it), else they stay pageable. The path
+// max(2 GiB, 1/16 of the total), env LLAMA_MOE_PIN_MARGIN_MIB overrides it; env LLAMA_MOE_PIN_FS_ROOT, for tests, reads
+// /proc and /sys under another directory), else they stay pageable. The path
 // taken is logged once per model ("llama_moe: ..."). Computes the same bytes either way.
 // Process-wide default, read when a model is loaded: 1 on, 0 off, -1 unset (then the environment variable
 // LLAMA_MOE_PIN_EXPERTS, then on). The getter returns the value in effect (0 or 1).

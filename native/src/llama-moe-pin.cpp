@@ -109,9 +109,13 @@ static void cap_by_cgroup(pin_mem & m, const std::string & root, std::string pat
 }
 
 static pin_mem pin_mem_available() {
+    // LLAMA_MOE_PIN_FS_ROOT: a directory that stands in for / when reading /proc and /sys, so tests can plant
+    // cgroup hierarchies and limits this machine does not have
+    const char * fs_root = getenv("LLAMA_MOE_PIN_FS_ROOT");
+    const std::string root = fs_root ? fs_root : "";
     pin_mem m;
-    const uint64_t total_kib = read_field("/proc/meminfo", "MemTotal:");
-    const uint64_t avail_kib = read_field("/proc/meminfo", "MemAvailable:");
+    const uint64_t total_kib = read_field(root + "/proc/meminfo", "MemTotal:");
+    const uint64_t avail_kib = read_field(root + "/proc/meminfo", "MemAvailable:");
     if (total_kib == 0 || avail_kib == 0) {
         return m; // not Linux, or too old a kernel: unknown
     }
@@ -120,7 +124,7 @@ static pin_mem pin_mem_available() {
     m.total = total_kib * 1024;
 
     // /proc/self/cgroup: "0::/path" (v2), "N:ctrl1,ctrl2:/path" (v1); a namespaced container sees "/"
-    std::ifstream f("/proc/self/cgroup");
+    std::ifstream f(root + "/proc/self/cgroup");
     std::string line;
     while (std::getline(f, line)) {
         const size_t a = line.find(':');
@@ -132,11 +136,11 @@ static pin_mem pin_mem_available() {
         const std::string ctrls = "," + line.substr(a + 1, b - a - 1) + ",";
         const std::string path  = line.substr(b + 1);
         if (hier == "0" && ctrls == ",,") {
-            std::ifstream probe("/sys/fs/cgroup/cgroup.controllers");
-            const std::string root = probe.good() ? "/sys/fs/cgroup" : "/sys/fs/cgroup/unified";
-            cap_by_cgroup(m, root, path, "memory.max", "memory.current", "inactive_file");
+            std::ifstream probe(root + "/sys/fs/cgroup/cgroup.controllers");
+            const std::string mnt = root + (probe.good() ? "/sys/fs/cgroup" : "/sys/fs/cgroup/unified");
+            cap_by_cgroup(m, mnt, path, "memory.max", "memory.current", "inactive_file");
         } else if (ctrls.find(",memory,") != std::string::npos) {
-            cap_by_cgroup(m, "/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file");
+            cap_by_cgroup(m, root + "/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file");
         }
     }
     return m;
@@ -163,8 +167,15 @@ struct pin_model_state {
 static std::mutex & g_mutex = *new std::mutex; // never destroyed: a binding may free a model during exit
 static std::map<const llama_model *, pin_model_state> & g_models = *new std::map<const llama_model *, pin_model_state>;
 
-static double gib(uint64_t n) {
-    return n / (1024.0 * 1024.0 * 1024.0);
+// "15.91 GiB", or MiB below one GiB, so small models do not log "0.00 GiB"
+static std::string fmt_size(uint64_t n) {
+    char buf[32];
+    if (n >= (UINT64_C(1) << 30)) {
+        snprintf(buf, sizeof(buf), "%.2f GiB", n / (1024.0 * 1024.0 * 1024.0));
+    } else {
+        snprintf(buf, sizeof(buf), "%.2f MiB", n / (1024.0 * 1024.0));
+    }
+    return buf;
 }
 
 static size_t page_size() {
@@ -262,8 +273,8 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
     const char * dev_name = ggml_backend_dev_name(dev);
 
     if (!llama_moe_default_get_pin_experts()) {
-        LLAMA_LOG_INFO("llama_moe: %.2f GiB of expert weights left pageable: pinning is off (--no-pin-experts or LLAMA_MOE_PIN_EXPERTS=0)\n",
-                gib(n_bytes));
+        LLAMA_LOG_INFO("llama_moe: %s of expert weights left pageable: pinning is off (--no-pin-experts or LLAMA_MOE_PIN_EXPERTS=0)\n",
+                fmt_size(n_bytes).c_str());
         return;
     }
 
@@ -282,8 +293,8 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
         n_locked += r.size;
     }
     if (st.ranges.size() == ranges.size()) {
-        LLAMA_LOG_INFO("llama_moe: %.2f GiB of expert weights registered with %s (page-locked in place: %zu range(s), %.2f GiB)\n",
-                gib(n_bytes), dev_name, st.ranges.size(), gib(n_locked));
+        LLAMA_LOG_INFO("llama_moe: %s of expert weights registered with %s (page-locked in place: %zu range(s), %s)\n",
+                fmt_size(n_bytes).c_str(), dev_name, st.ranges.size(), fmt_size(n_locked).c_str());
         std::lock_guard<std::mutex> lock(g_mutex);
         g_models[&model] = std::move(st);
         return;
@@ -298,8 +309,8 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
     //    the OOM killer rather than fail cleanly
     ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(dev);
     if (!buft) {
-        LLAMA_LOG_WARN("llama_moe: %.2f GiB of expert weights left pageable: registration with %s failed and it has no pinned host buffer type\n",
-                gib(n_bytes), dev_name);
+        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and it has no pinned host buffer type\n",
+                fmt_size(n_bytes).c_str(), dev_name);
         return;
     }
     const size_t align = ggml_backend_buft_get_alignment(buft);
@@ -309,22 +320,22 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
     }
     const pin_mem mem = pin_mem_available();
     const char * margin_env = getenv("LLAMA_MOE_PIN_MARGIN_MIB");
-    const uint64_t margin = margin_env && *margin_env ? (uint64_t) (atof(margin_env) * 1024 * 1024)
+    const uint64_t margin = margin_env && *margin_env ? (uint64_t) std::min(atof(margin_env) * 1024 * 1024, 9e18)
                                                       : std::max<uint64_t>(UINT64_C(2) << 30, mem.known ? mem.total / 16 : 0);
     if (!mem.known || need + margin > mem.avail) {
-        LLAMA_LOG_WARN("llama_moe: %.2f GiB of expert weights left pageable: registration with %s failed and a pinned copy needs "
-                "%.2f GiB + a %.2f GiB margin, %s%.2f GiB available\n", gib(n_bytes), dev_name, gib(need), gib(margin),
-                mem.known ? "" : "unknown, taken as ", mem.known ? gib(mem.avail) : 0.0);
+        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and a pinned copy needs "
+                "%s + a %s margin, %s available\n", fmt_size(n_bytes).c_str(), dev_name, fmt_size(need).c_str(), fmt_size(margin).c_str(),
+                mem.known ? fmt_size(mem.avail).c_str() : "an unknown amount (taken as none)");
         return;
     }
     st.copy = copy_to_pinned(buft, tensors, need);
     if (!st.copy) {
-        LLAMA_LOG_WARN("llama_moe: %.2f GiB of expert weights left pageable: registration with %s failed and %.2f GiB of %s could not be allocated\n",
-                gib(n_bytes), dev_name, gib(need), ggml_backend_buft_name(buft));
+        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and %s of %s could not be allocated\n",
+                fmt_size(n_bytes).c_str(), dev_name, fmt_size(need).c_str(), ggml_backend_buft_name(buft));
         return;
     }
-    LLAMA_LOG_INFO("llama_moe: %.2f GiB of expert weights copied into pinned memory (%s): registration with %s failed; %.2f GiB were available\n",
-            gib(n_bytes), ggml_backend_buft_name(buft), dev_name, gib(mem.avail));
+    LLAMA_LOG_INFO("llama_moe: %s of expert weights copied into pinned memory (%s): registration with %s failed; %s were available\n",
+            fmt_size(n_bytes).c_str(), ggml_backend_buft_name(buft), dev_name, fmt_size(mem.avail).c_str());
     std::lock_guard<std::mutex> lock(g_mutex);
     g_models[&model] = std::move(st);
 }
