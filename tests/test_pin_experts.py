@@ -177,7 +177,7 @@ def test_two_contexts_share_one_registration(patched_build, src, model, tmp_path
 def test_no_pin_experts_flag_turns_it_off(patched_build, model):
     tool = patched_build.tool("llama-completion")
     base = [str(tool), "-m", str(model), "-ngl", "99", "-cmoe", "--no-repack", "--fit", "off", "-p", "hello",
-            "-n", "1", "-no-cnv", "--temp", "0"]
+            "-n", "1", "-no-cnv", "--temp", "0", "-v"]  # -v: the tools print llama's info lines only then
     env = {**os.environ, **SIM_ENV}
     off = subprocess.run(base + ["--no-pin-experts"], env=env, capture_output=True, text=True, timeout=600)
     assert off.returncode == 0 and OFF in off.stderr, off.stderr[-3000:]
