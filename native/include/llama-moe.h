@@ -65,6 +65,20 @@ struct llama_moe_stats {
 LLAMA_MOE_API void llama_moe_get_stats  (const struct llama_context * ctx, struct llama_moe_stats * stats);
 LLAMA_MOE_API void llama_moe_reset_stats(struct llama_context * ctx);
 
+// --- pinned host experts ---
+// Pinned host experts. Expert weights that stay on the host and are mmap'ed from the model file are pageable,
+// and a GPU uploads pageable memory several times slower than page-locked memory, without overlap. When on,
+// loading a model with a GPU whose backend can page-lock host memory registers the mapped expert range with it
+// (each context of the model holds a reference too); if that fails, the experts are copied once into the GPU's
+// pinned host memory when they fit in the memory available (MemAvailable and cgroup limits, minus a margin of
+// max(2 GiB, 1/16 of the total), env LLAMA_MOE_PIN_MARGIN_MIB overrides it; env LLAMA_MOE_PIN_FS_ROOT, for tests, reads
+// /proc and /sys under another directory), else they stay pageable. The path
+// taken is logged once per model ("llama_moe: ..."). Computes the same bytes either way.
+// Process-wide default, read when a model is loaded: 1 on, 0 off, -1 unset (then the environment variable
+// LLAMA_MOE_PIN_EXPERTS, then on). The getter returns the value in effect (0 or 1).
+LLAMA_MOE_API void    llama_moe_default_set_pin_experts(int32_t on);
+LLAMA_MOE_API int32_t llama_moe_default_get_pin_experts(void);
+
 // --- END CFFI ---
 
 #ifdef __cplusplus

@@ -22,7 +22,14 @@
 //                                  enables ggml_backend_sim_poison*
 //   GGML_SIM_OPLOG=PATH            append one JSON line per operation to PATH (flushed per line)
 //   GGML_SIM_DEBUG_SKIP_SYNC=1     fault injection: backend synchronize returns without waiting (negative control)
+//   GGML_SIM_HOST_MAP_FAIL=1       fault injection: the registry's "ggml_backend_host_map" proc (ggml-host-map.h)
+//                                  fails, as cudaHostRegister can, so callers take their fallback
 //   GGML_OP_OFFLOAD_MIN_BATCH=B    the batch size from which ops are offloaded (default 32, as for CUDA)
+//
+// Host map: the registry offers "ggml_backend_host_map" and "ggml_backend_host_unmap" (ggml-host-map.h) as CUDA's
+// does. SIM memory needs no page-locking, so they only count references per base pointer (and fail on request,
+// above); each call writes a host_map / host_unmap line to the op log with the range's "ptr", its "refs" after the
+// call (a register is refs 0 -> 1, an unregister 1 -> 0) and "ok".
 //
 // Race check: a buffer-level access from the calling thread (ggml_backend_tensor_set/get/memset/copy on SIM
 // memory) that overlaps memory a queued stream operation still writes (or, for a write, still reads) is a

@@ -17,6 +17,7 @@
 // be queued (a real GPU captured its kernel arguments at launch), so the worker must not read the caller's
 // tensor structs later. The snapshot keeps the caller's use counts, so CPU op fusion decides as it would have.
 #include "ggml-sim.h"
+#include "ggml-host-map.h"
 
 #include "../ggml-backend-impl.h"
 #include "../ggml-impl.h"
@@ -60,6 +61,7 @@ struct sim_config {
     int64_t     compute_latency_ns = 0;
     bool        poison             = false;
     bool        debug_skip_sync    = false;
+    bool        host_map_fail      = false;
     int64_t     offload_min_batch  = 32;
     std::string oplog_path;
 };
@@ -84,6 +86,7 @@ const sim_config & sim_cfg() {
         c.compute_latency_ns = (int64_t) (env_double("GGML_SIM_COMPUTE_LATENCY_US", 0) * 1000.0);
         c.poison             = env_double("GGML_SIM_POISON", 0) != 0;
         c.debug_skip_sync    = env_double("GGML_SIM_DEBUG_SKIP_SYNC", 0) != 0;
+        c.host_map_fail      = env_double("GGML_SIM_HOST_MAP_FAIL", 0) != 0;
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
         const char * log = getenv("GGML_SIM_OPLOG");
         c.oplog_path         = log ? log : "";
@@ -101,7 +104,8 @@ int64_t now_ns() {
 //
 
 struct sim_op {
-    const char * kind   = "";   // set, get, copy, compute, event_record, event_wait, sync, poison, race
+    const char * kind   = "";   // set, get, copy, compute, event_record, event_wait, sync, poison, race,
+                                // host_map, host_unmap
     bool         async  = true; // false: a buffer-level operation done on the calling thread
     std::string  tensor;        // compute: the first node
     size_t       offset = 0;
@@ -111,6 +115,9 @@ struct sim_op {
     std::string  first_op;      // compute: the first node's op; race: the kind of the queued op it raced with
     std::string  first_src0;    // compute: the first node's src[0] (e.g. a weight copy made by the scheduler);
                                 // race: the tensor of the queued op it raced with
+    uintptr_t    ptr    = 0;    // host_map/host_unmap: the base address of the range
+    int          refs   = 0;    // host_map/host_unmap: references to the range after the operation
+    bool         ok     = true; // host_map: false when it failed
 };
 
 struct sim_oplog {
@@ -180,6 +187,10 @@ void oplog_write(const char * dev, int inst, const sim_op & op, int64_t t_submit
         json_string(line, op.first_op);
         line += ",\"other_tensor\":";
         json_string(line, op.first_src0);
+    } else if (strncmp(op.kind, "host_", 5) == 0) {
+        snprintf(buf, sizeof(buf), ",\"ptr\":\"0x%llx\",\"refs\":%d,\"ok\":%s",
+                (unsigned long long) op.ptr, op.refs, op.ok ? "true" : "false");
+        line += buf;
     }
     snprintf(buf, sizeof(buf), ",\"t_submit_ns\":%lld,\"t0_ns\":%lld,\"t1_ns\":%lld",
             (long long) t_submit, (long long) t0, (long long) t1);
@@ -1302,6 +1313,63 @@ ggml_backend_dev_t sim_reg_get_device(ggml_backend_reg_t reg, size_t index) {
     return &rs->devices[index]->dev;
 }
 
+//
+// host map (ggml-host-map.h): SIM memory is host memory, so there is nothing to page-lock; what is modelled is
+// the contract callers rely on (references counted per base pointer, the last unmap releases the range) and
+// its failure (GGML_SIM_HOST_MAP_FAIL=1), each logged so tests can see what a CUDA device would have done
+//
+
+struct sim_host_maps {
+    std::mutex                              mutex;
+    std::unordered_map<uintptr_t, int>      refs; // base pointer -> references
+};
+
+sim_host_maps & host_maps() {
+    static sim_host_maps * m = new sim_host_maps; // never destroyed: models may be freed during exit
+    return *m;
+}
+
+bool sim_host_map(void * ptr, size_t size) {
+    sim_host_maps & m = host_maps();
+    const int64_t t0 = now_ns();
+    sim_op op;
+    op.kind = "host_map"; op.async = false; op.ptr = (uintptr_t) ptr; op.bytes = size;
+    {
+        std::lock_guard<std::mutex> lock(m.mutex);
+        if (sim_cfg().host_map_fail || ptr == nullptr) {
+            auto it  = m.refs.find(op.ptr);
+            op.refs  = it == m.refs.end() ? 0 : it->second;
+            op.ok    = false;
+        } else {
+            op.refs = ++m.refs[op.ptr];
+        }
+    }
+    oplog_write(GGML_SIM_NAME, -1, op, t0, t0, now_ns());
+    return op.ok;
+}
+
+void sim_host_unmap(void * ptr) {
+    sim_host_maps & m = host_maps();
+    const int64_t t0 = now_ns();
+    sim_op op;
+    op.kind = "host_unmap"; op.async = false; op.ptr = (uintptr_t) ptr;
+    {
+        std::lock_guard<std::mutex> lock(m.mutex);
+        auto it = m.refs.find(op.ptr);
+        if (it == m.refs.end()) {
+            // an unmap without a map is a caller bug a real device would turn into an error code: report it
+            GGML_LOG_ERROR("ggml_sim: host_unmap of %p, which is not mapped\n", ptr);
+            op.ok = false;
+        } else {
+            op.refs = --it->second;
+            if (op.refs == 0) {
+                m.refs.erase(it);
+            }
+        }
+    }
+    oplog_write(GGML_SIM_NAME, -1, op, t0, t0, now_ns());
+}
+
 void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     GGML_UNUSED(reg);
     if (strcmp(name, "ggml_backend_set_n_threads") == 0) {
@@ -1315,6 +1383,12 @@ void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     }
     if (strcmp(name, "ggml_backend_sim_n_races") == 0) {
         return (void *) ggml_backend_sim_n_races;
+    }
+    if (strcmp(name, GGML_BACKEND_HOST_MAP_PROC) == 0) {
+        return (void *) (ggml_backend_host_map_t) sim_host_map;
+    }
+    if (strcmp(name, GGML_BACKEND_HOST_UNMAP_PROC) == 0) {
+        return (void *) (ggml_backend_host_unmap_t) sim_host_unmap;
     }
     return nullptr;
 }
@@ -1355,6 +1429,9 @@ ggml_backend_reg_t ggml_backend_sim_reg(void) {
                     cfg.n_devices, cfg.memory_bytes / 1024 / 1024, cfg.copy_latency_ns / 1000.0,
                     cfg.copy_bytes_per_ns > 0 ? std::to_string(cfg.copy_bytes_per_ns).c_str() : "unlimited",
                     cfg.poison ? "on" : "off", cfg.oplog_path.empty() ? "off" : cfg.oplog_path.c_str());
+            if (cfg.host_map_fail) {
+                GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_MAP_FAIL=1: ggml_backend_host_map fails (fault injection)\n");
+            }
             if (cfg.debug_skip_sync) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_DEBUG_SKIP_SYNC=1: synchronize does not wait; results will be wrong (negative control)\n");
             }

@@ -1,0 +1,36 @@
+// ggml-host-map.h: registry procs that page-lock an existing host range for a device (pyllama_moe).
+//
+// Copies from pageable host memory to a discrete GPU go through a driver bounce buffer: they are several
+// times slower than copies from page-locked memory and do not overlap compute. Weights that llama.cpp
+// mmaps from the model file are pageable. A backend registry that can page-lock such a range in place
+// (CUDA: cudaHostRegister) offers these two procs through ggml_backend_reg_get_proc_address:
+//
+//   "ggml_backend_host_map"   (ggml_backend_host_map_t)   page-lock [ptr, ptr + size); true on success.
+//                             Read-only first (a PROT_READ file mapping cannot be locked for writing),
+//                             read-write as a fallback. A range that is already page-locked elsewhere is
+//                             counted, not registered again.
+//   "ggml_backend_host_unmap" (ggml_backend_host_unmap_t) drop one reference to the range mapped at ptr;
+//                             the last one unregisters it. Nothing may still copy from the range.
+//
+// References are counted per base pointer, process-wide, so several users (models, contexts) can map
+// the same range and it stays page-locked until the last of them unmaps it. Both are thread-safe.
+// A header of their own, not ggml-backend.h where upstream keeps its proc typedefs: the scheduler patches
+// of this series change ggml-backend.h, and the SIM test double implements the same contract without CUDA.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GGML_BACKEND_HOST_MAP_PROC   "ggml_backend_host_map"
+#define GGML_BACKEND_HOST_UNMAP_PROC "ggml_backend_host_unmap"
+
+typedef bool (*ggml_backend_host_map_t)  (void * ptr, size_t size);
+typedef void (*ggml_backend_host_unmap_t)(void * ptr);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,186 @@
+"""Pinned host experts (issue 4, item 5) on the SIM device.
+
+A model loaded with mmap and its experts on the host registers the mapped expert range with the GPU
+(SIM implements the same ggml_backend_host_map proc as CUDA and logs each call); when registration fails
+(GGML_SIM_HOST_MAP_FAIL=1) the experts are copied into the device's pinned host buffer type; when that does
+not fit they stay pageable. Each path must say so once in the log and compute the bytes of the run with
+pinning off. Poison is on, so a copy that reached the pinned buffer before its NaN fill, or not at all,
+would show in the logits. Only SIM is exercised here: CUDA's cudaHostRegister path runs on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pyllama_moe import models, runner
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
+
+SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50"}
+REGISTERED = "expert weights registered with SIM0"
+COPIED = "expert weights copied into pinned memory (SIM_Host): registration with SIM0 failed"
+PAGEABLE = "expert weights left pageable: registration with SIM0 failed and a pinned copy needs"
+OFF = "expert weights left pageable: pinning is off"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+# 96 tokens: one ubatch of at least 32, so MUL_MAT_ID is offloaded and the experts are uploaded from the host
+TOKENS = [(i * 7919) % 4000 + 16 for i in range(96)]
+
+
+def _run(build, src, model, env):
+    spec = runner.RunSpec(model=model, tokens=TOKENS, cpu_moe=True, load_mode="mmap", repack=False, threads=2,
+                          generate=4, env={**SIM_ENV, **env})
+    return runner.run(build, src, spec)
+
+
+def _ops(path, kinds=("host_map", "host_unmap")):
+    if not path.exists():
+        return []
+    ops = [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted((op for op in ops if op["op"] in kinds), key=lambda op: op["seq"])
+
+
+@pytest.fixture(scope="module")
+def pin_off(patched_build, src, model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("pin-off") / "ops.jsonl"
+    got = _run(patched_build, src, model, {"LLAMA_MOE_PIN_EXPERTS": "0", "GGML_SIM_OPLOG": str(log)})
+    assert got.log.count(OFF) == 1, got.log[-3000:]
+    assert _ops(log) == []
+    return got
+
+
+def test_mapped_experts_are_registered_and_compute_the_same(patched_build, src, model, pin_off, tmp_path):
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, model, {"GGML_SIM_OPLOG": str(log)})
+    assert got.log.count("llama_moe: ") == 1 and REGISTERED in got.log, got.log[-3000:]
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+    ops = _ops(log)
+    assert ops and all(op["ok"] for op in ops)
+    # per range: the model's reference (a register, refs 0 -> 1), the context's (1 -> 2), released in the
+    # reverse order when the worker frees the context and then the model (the last one unregisters)
+    by_ptr: dict[str, list[tuple[str, int]]] = {}
+    for op in ops:
+        by_ptr.setdefault(op["ptr"], []).append((op["op"], op["refs"]))
+    for seq in by_ptr.values():
+        assert seq == [("host_map", 1), ("host_map", 2), ("host_unmap", 1), ("host_unmap", 0)], seq
+
+
+def test_failed_registration_copies_experts_to_pinned_memory(patched_build, src, model, pin_off, tmp_path):
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, model, {"GGML_SIM_HOST_MAP_FAIL": "1", "GGML_SIM_OPLOG": str(log)})
+    assert got.log.count("llama_moe: ") == 1 and COPIED in got.log, got.log[-3000:]
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+    ops = _ops(log)
+    assert [op["op"] for op in ops] == ["host_map"] and not ops[0]["ok"]  # one attempt, nothing to unmap
+    # the copy went through the pinned buffer's set_tensor, one per expert tensor (3 per layer, 4 layers)
+    sets = [op for op in _ops(log, ("set",)) if "_exps" in op["tensor"] and op["dev"] == "SIM_Host"]
+    assert len(sets) == 3 * 4
+
+
+def test_no_room_for_a_copy_leaves_experts_pageable(patched_build, src, model, pin_off):
+    # a margin larger than any machine: the copy must be refused, and the reason logged
+    got = _run(patched_build, src, model, {"GGML_SIM_HOST_MAP_FAIL": "1", "LLAMA_MOE_PIN_MARGIN_MIB": "1e12"})
+    assert got.log.count("llama_moe: ") == 1 and PAGEABLE in got.log, got.log[-3000:]
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+
+
+GIB = 1 << 30
+# a container limit set on an ancestor of the process's cgroup (8 GiB, 7 used of which 0.5 inactive page cache;
+# v1: 4 GiB, 3 used, 0.5 inactive), with no limit on its own cgroup: 1.5 GiB of room, below the 2 GiB margin
+CGROUPS = {
+    "v2": {"proc/self/cgroup": "0::/a/b\n", "sys/fs/cgroup/cgroup.controllers": "memory\n",
+           "sys/fs/cgroup/a/b/memory.max": "max\n", "sys/fs/cgroup/a/b/memory.current": f"{GIB}\n",
+           "sys/fs/cgroup/a/memory.max": f"{8 * GIB}\n", "sys/fs/cgroup/a/memory.current": f"{7 * GIB}\n",
+           "sys/fs/cgroup/a/memory.stat": f"anon 1\ninactive_file {GIB // 2}\nactive_file 5\n"},
+    "v1": {"proc/self/cgroup": "5:cpu,cpuacct:/\n4:memory:/x/y\n0::/\n",
+           "sys/fs/cgroup/memory/x/y/memory.limit_in_bytes": "9223372036854771712\n",
+           "sys/fs/cgroup/memory/x/y/memory.usage_in_bytes": f"{GIB}\n",
+           "sys/fs/cgroup/memory/x/memory.limit_in_bytes": f"{4 * GIB}\n",
+           "sys/fs/cgroup/memory/x/memory.usage_in_bytes": f"{3 * GIB}\n",
+           "sys/fs/cgroup/memory/x/memory.stat": f"cache 1\ntotal_inactive_file {GIB // 2}\n"},
+}
+
+
+@pytest.mark.parametrize("version", sorted(CGROUPS))
+def test_cgroup_limit_up_the_hierarchy_caps_the_copy(patched_build, model, tmp_path, version):
+    files = {"proc/meminfo": "MemTotal:       67108864 kB\nMemFree:        1 kB\nMemAvailable:   62914560 kB\n",
+             **CGROUPS[version]}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    tool = patched_build.tool("llama-completion")
+    env = {**os.environ, **SIM_ENV, "GGML_SIM_HOST_MAP_FAIL": "1", "LLAMA_MOE_PIN_FS_ROOT": str(tmp_path)}
+    proc = subprocess.run([str(tool), "-m", str(model), "-ngl", "99", "-cmoe", "--no-repack", "--fit", "off", "-p", "hi",
+                           "-n", "1", "-no-cnv", "--temp", "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 60 GiB MemAvailable, capped by the ancestor's room; the margin is 2 GiB since 1/16 of the limit is less
+    assert PAGEABLE in proc.stderr and "+ a 2.00 GiB margin, 1.50 GiB available" in proc.stderr, proc.stderr[-3000:]
+
+
+# two contexts on one model, in one process, through llama_cpp; the setter must beat the environment
+_TWO_CONTEXTS = textwrap.dedent("""
+    import ctypes, os, sys
+    from pathlib import Path
+    lib_dir = Path(os.environ["LLAMA_CPP_LIB_PATH"])
+    lib = ctypes.CDLL(str(lib_dir / "libllama.so"), mode=ctypes.RTLD_GLOBAL)
+    import llama_cpp as L
+    from pyllama_moe.worker import _cpu_overrides
+    assert lib.llama_moe_default_get_pin_experts() == 0           # LLAMA_MOE_PIN_EXPERTS=0
+    lib.llama_moe_default_set_pin_experts(1)
+    assert lib.llama_moe_default_get_pin_experts() == 1           # setter > environment
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 99
+    overrides, _keep = _cpu_overrides({"cpu_moe": True}, lib_dir)
+    mp.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+    model = L.llama_model_load_from_file(sys.argv[1].encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx = 256
+    ctxs = [L.llama_init_from_model(model, cp) for _ in range(2)]
+    assert all(ctxs)
+    for ctx in ctxs:
+        L.llama_free(ctx)
+    L.llama_model_free(model)
+    lib.llama_moe_default_set_pin_experts(-1)
+    assert lib.llama_moe_default_get_pin_experts() == 0           # unset: the environment again
+    print("ok")
+""")
+
+
+def test_two_contexts_share_one_registration(patched_build, src, model, tmp_path):
+    log = tmp_path / "ops.jsonl"
+    env = runner.worker_env(patched_build, src, {**SIM_ENV, "GGML_SIM_OPLOG": str(log), "LLAMA_MOE_PIN_EXPERTS": "0"})
+    proc = subprocess.run([sys.executable, "-c", _TWO_CONTEXTS, str(model)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    assert proc.stderr.count(REGISTERED) == 1
+    ops = _ops(log)
+    assert ops and all(op["ok"] for op in ops)
+    for ptr in {op["ptr"] for op in ops}:
+        seq = [(op["op"], op["refs"]) for op in ops if op["ptr"] == ptr]
+        # model, context 1, context 2 map; the contexts then the model unmap: one register, one unregister
+        assert seq == [("host_map", 1), ("host_map", 2), ("host_map", 3),
+                       ("host_unmap", 2), ("host_unmap", 1), ("host_unmap", 0)], seq
+
+
+def test_no_pin_experts_flag_turns_it_off(patched_build, model):
+    tool = patched_build.tool("llama-completion")
+    base = [str(tool), "-m", str(model), "-ngl", "99", "-cmoe", "--no-repack", "--fit", "off", "-p", "hello",
+            "-n", "1", "-no-cnv", "--temp", "0", "-v"]  # -v: the tools print llama's info lines only then
+    env = {**os.environ, **SIM_ENV}
+    off = subprocess.run(base + ["--no-pin-experts"], env=env, capture_output=True, text=True, timeout=600)
+    assert off.returncode == 0 and OFF in off.stderr, off.stderr[-3000:]
+    on = subprocess.run(base, env={**env, "LLAMA_MOE_PIN_EXPERTS": "0", "LLAMA_ARG_PIN_EXPERTS": "1"},
+                        capture_output=True, text=True, timeout=600)
+    assert on.returncode == 0 and REGISTERED in on.stderr, on.stderr[-3000:]
