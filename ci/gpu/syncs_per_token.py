@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pyllama_moe import runner, source
+from pyllama_moe import packs, runner, source
 from pyllama_moe.build import resolve
 
 
@@ -26,7 +26,8 @@ def main() -> int:
     args = ap.parse_args()
     archive = args.archive_dir / "llama.cpp-patched.tar.gz" if args.archive_dir else None
     build = resolve("patched", args.backend, archive=archive)
-    src = source.ensure_source()
+    # the llama_cpp package the worker imports: the archive's where there is no registry to fetch the sdist from
+    src = packs.archive_source(archive, "patched") if archive else source.ensure_source()
     tokens = [(i * 7919) % 4000 + 16 for i in range(600)]
     env_extra = {"GGML_SIM_DEVICES": "1"} if args.backend == "cpu" else {}
     print("| async input | tokens | host syncs / token | upload syncs / token | splits with host inputs / token |")

@@ -29,7 +29,7 @@ LLAMA_MOE_API const char * llama_moe_build_info(void);
 //
 // Precedence, per field: per-context setter > process default (set below, or by a llama.cpp flag) > environment
 // (GGML_SCHED_PREFETCH, GGML_SCHED_PREFETCH_DEPTH, GGML_SCHED_PREFETCH_MIN_BATCH,
-// GGML_SCHED_PREFETCH_HEADROOM_MIB) > built-in (mode 1, depth 2, min_batch 256, headroom 512 MiB).
+// GGML_SCHED_PREFETCH_HEADROOM_MIB) > built-in (mode 1, depth 4, min_batch 256, headroom 512 MiB).
 struct llama_moe_prefetch_params {
     int32_t mode;         // 0 off, 1 on for CUDA-family devices, 2 on for any device with async copies and events
     int32_t depth;        // staging slots per device, 2..8

@@ -188,8 +188,11 @@ static size_t page_size() {
 
 // page-aligned ranges covering the tensors; a gap of up to 16 MiB between two of them (norms, router weights)
 // is locked along, a larger one (a layer's attention weights, which a GPU layer already holds in VRAM) is not,
-// so little beyond the experts stays locked in memory
-static std::vector<pin_range> expert_ranges(std::vector<ggml_tensor *> tensors) {
+// so little beyond the experts stays locked in memory. A copy from host memory that is only partly page-locked
+// fails (CUDA: invalid argument, seen with -ngl 2 where an offloaded attention weight of a CPU layer shared a
+// page with an expert tensor), so no range may cut through a host tensor read from the mapping (`mapped`): each
+// range is widened over the ones it touches, and ranges that come to overlap are merged, until none is cut.
+static std::vector<pin_range> expert_ranges(std::vector<ggml_tensor *> tensors, const std::vector<std::pair<uintptr_t, uintptr_t>> & mapped) {
     const uintptr_t page    = page_size();
     const uintptr_t max_gap = 16u*1024*1024;
     std::sort(tensors.begin(), tensors.end(), [](const ggml_tensor * a, const ggml_tensor * b) { return a->data < b->data; });
@@ -202,6 +205,28 @@ static std::vector<pin_range> expert_ranges(std::vector<ggml_tensor *> tensors) 
         } else {
             spans.emplace_back(lo, hi);
         }
+    }
+    for (bool changed = true; changed; ) {
+        changed = false;
+        for (auto & span : spans) {
+            for (const auto & [lo, hi] : mapped) {
+                if (lo < span.second && hi > span.first && (lo < span.first || hi > span.second)) {
+                    span.first  = std::min(span.first, lo / page * page);
+                    span.second = std::max(span.second, (hi + page - 1) / page * page);
+                    changed = true;
+                }
+            }
+        }
+        std::sort(spans.begin(), spans.end());
+        std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+        for (const auto & span : spans) {
+            if (!merged.empty() && span.first <= merged.back().second) {
+                merged.back().second = std::max(merged.back().second, span.second);
+            } else {
+                merged.push_back(span);
+            }
+        }
+        spans.swap(merged);
     }
     std::vector<pin_range> out;
     for (const auto & [lo, hi] : spans) {
@@ -234,15 +259,20 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
     // the expert tensors (what --cpu-moe and -ncmoe match) that are read from the mapped file
     static const std::regex re_exps("\\.ffn_(up|down|gate|gate_up)_(ch|)exps");
     std::vector<ggml_tensor *> tensors;
+    std::vector<std::pair<uintptr_t, uintptr_t>> mapped_spans; // every host tensor read from the mapping
     uint64_t n_bytes = 0;
     for (const auto & [name, t] : model.tensors_by_name) {
-        if (!t->buffer || !t->data || t->view_src || !ggml_backend_buffer_is_host(t->buffer) || !std::regex_search(name, re_exps)) {
+        if (!t->buffer || !t->data || t->view_src || !ggml_backend_buffer_is_host(t->buffer)) {
             continue;
         }
         const bool mapped = std::any_of(maps.begin(), maps.end(), [t](const std::pair<void *, size_t> & m) {
             return (char *) t->data >= (char *) m.first && (char *) t->data + ggml_nbytes(t) <= (char *) m.first + m.second;
         });
-        if (mapped) {
+        if (!mapped) {
+            continue;
+        }
+        mapped_spans.emplace_back((uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t));
+        if (std::regex_search(name, re_exps)) {
             tensors.push_back(t);
             n_bytes += ggml_nbytes(t);
         }
@@ -283,7 +313,7 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
     st.unmap = unmap;
 
     // 1. page-lock the mapped ranges in place: no copy, no extra memory
-    std::vector<pin_range> ranges = expert_ranges(tensors);
+    std::vector<pin_range> ranges = expert_ranges(tensors, mapped_spans);
     uint64_t n_locked = 0;
     for (const pin_range & r : ranges) {
         if (!map(r.ptr, r.size)) {
