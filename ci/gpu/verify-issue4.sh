@@ -10,6 +10,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
 T0=$SECONDS
+# everything also goes to $OUT/verify.log as it happens: a call that runs past its limit still returns it
+exec > >(tee -a "$OUT/verify.log") 2>&1
 (python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL" > /tmp/synth.log 2>&1 &)
 timeout 420 python3 -m pyllama_moe build --backend cuda --variant patched --archive .work/archives/llama.cpp-patched.tar.gz -j 16 \
     > "$OUT/build-patched.log" 2>&1 || { tail -20 "$OUT/build-patched.log"; exit 1; }
@@ -22,7 +24,7 @@ c = models.ensure_corpus(m, tokens=4000); open('/tmp/p.txt', 'w').write(c.read_t
 for env in "LLAMA_MOE_PIN_EXPERTS=1" "LLAMA_MOE_PIN_EXPERTS=0" "LLAMA_MOE_PIN_EXPERTS=1 GGML_SCHED_PREFETCH=0 GGML_SCHED_ASYNC_INPUT=0"; do
     env $env timeout 120 $P/llama-completion -m $GLM -ngl 2 -ub 2048 -b 2048 -f /tmp/p.txt -n 16 --temp 0 --fit off -no-cnv -t 8 -v \
         > /tmp/o.txt 2> /tmp/e.txt
-    echo "glm4moe -ngl 2 ub2048 mmap [$env]: exit $? output $(md5sum < /tmp/o.txt | cut -c1-12)"
+    echo "glm4moe -ngl 2 ub2048 mmap [$env]: exit $? output $(md5sum < /tmp/o.txt | cut -c1-12) ($((SECONDS - T0)) s)"
     grep -E "llama_moe:|host-weight prefetch on|CUDA error" /tmp/e.txt | sed 's/^[0-9.]* . //' | head -3
 done
 while [ ! -s "$MODEL" ] || pgrep -f "pyllama_moe synth" > /dev/null; do sleep 2; done
