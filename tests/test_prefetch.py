@@ -140,3 +140,25 @@ def test_async_input_one_sync_per_split(patched_build, src, qwen3moe, master_ub5
         if async_input == "1":
             assert gen["n_host_syncs_upload"] <= gen["n_splits_host_input"], gen
     assert per_token["1"] < per_token["0"], per_token
+
+
+def _fit_log(build, model: Path, env: dict[str, str]) -> str:
+    proc = subprocess.run([str(build.tool("llama-completion")), "-m", str(model), "-p", "hello world", "-n", "4",
+                           "--temp", "0", "-ub", "512", "--no-repack", "-t", "2", "-no-cnv", "-v"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def test_fit_places_the_same_layers_with_the_prefetch_on(patched_build, qwen3moe):
+    """--fit (on by default in llama.cpp's tools) measures with the prefetch off: on a 24 MiB SIM device it makes
+    the same placement decisions with the prefetch forced on as off; the real reservation then drops the
+    prefetch, which would leave less than the 512 MiB headroom free, and says so once."""
+    env = {"GGML_SIM_DEVICES": "1", "GGML_SIM_MEMORY_MIB": "24"}
+    logs = {pf: _fit_log(patched_build, qwen3moe[0], {**env, "GGML_SCHED_PREFETCH": pf}) for pf in ("0", "2")}
+    fit = {pf: [re.sub(r"^[\d.]+ \S ", "", ln) for ln in log.splitlines() if "common_params_fit_impl" in ln]
+           for pf, log in logs.items()}
+    assert fit["0"] and fit["0"] == fit["2"]
+    assert any("SIM0" in ln and "layers" in ln for ln in fit["2"])
+    assert logs["2"].count("host-weight prefetch disabled on SIM0") == 1
+    assert "less than the headroom" in logs["2"] and "host-weight prefetch disabled" not in logs["0"]
