@@ -81,6 +81,8 @@ def _git(args: list[str], cwd: Path, check: bool = True, input: bytes | None = N
     env = dict(os.environ, **_IDENTITY, GIT_CEILING_DIRECTORIES=str(Path(cwd).resolve().parent))
     env.pop("GIT_DIR", None)
     env.pop("GIT_WORK_TREE", None)
+    if not Path(cwd).is_dir():  # else subprocess reports the missing folder as a missing git
+        raise UserError(f"{cwd} does not exist", "run `pyllama-moe patches apply` first (or pass --dir)")
     try:
         proc = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, input=input)
     except FileNotFoundError as exc:

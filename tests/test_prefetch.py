@@ -57,6 +57,7 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
     ("input-view", {}),
     ("graph-writes-weight", {}),
     ("arena-too-large", {"GGML_SIM_MEMORY_MIB": "0.55"}),
+    ("shrink", {"GGML_SIM_MEMORY_MIB": "0.9"}),
     ("headroom", {}),
     ("abort", {}),
 ])
@@ -65,6 +66,8 @@ def test_hazard_handled(hazards, case, env):
     assert proc.returncode == 0 and proc.stdout.startswith(f"ok {case}"), proc.stdout + proc.stderr[-3000:]
     if case in ("arena-too-large", "headroom"):
         assert "host-weight prefetch disabled on SIM0" in proc.stderr  # said once, with the reason
+    if case == "shrink":  # 4 slots do not fit, 2 do: the prefetch stays on with 2
+        assert "depth 4 reduced to 2" in proc.stderr and "disabled" not in proc.stderr
 
 
 @pytest.mark.parametrize("case,env", [

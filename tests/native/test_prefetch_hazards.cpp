@@ -3,7 +3,7 @@
 // slow copies so that a copy issued too early or left running is visible, and poison on.
 //
 //   test_prefetch_hazards CASE      CASE: baseline | input-view | graph-writes-weight | arena-too-large |
-//                                         headroom | abort | small-batch
+//                                         headroom | abort | small-batch | shrink
 //
 // Prints "ok CASE: ..." and exits 0, or "FAIL CASE: ..." and exits 1. Each case runs in its own process because
 // SIM reads its environment once.
@@ -142,10 +142,10 @@ struct fixture {
     }
 };
 
-static ggml_backend_sched_prefetch_params prefetch_on(int min_batch = 32) {
+static ggml_backend_sched_prefetch_params prefetch_on(int min_batch = 32, int depth = 2) {
     ggml_backend_sched_prefetch_params p = ggml_backend_sched_prefetch_default_params();
     p.mode      = GGML_BACKEND_SCHED_PREFETCH_ANY;
-    p.depth     = 2;
+    p.depth     = depth;
     p.min_batch = min_batch;
     p.headroom  = 0;
     return p;
@@ -160,9 +160,9 @@ static std::vector<float> ones_x(float v) {
 }
 
 // two weight splits on SIM, both uploaded ahead (or copied at split time below min_batch); optional abort
-static int two_splits(const std::string & name, int min_batch, bool expect_ahead) {
+static int two_splits(const std::string & name, int min_batch, bool expect_ahead, int depth = 2) {
     fixture f;
-    if (!f.init(prefetch_on(min_batch))) {
+    if (!f.init(prefetch_on(min_batch, depth))) {
         return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
     }
     ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
@@ -381,12 +381,15 @@ static int abort_mid_graph(const std::string & name) {
 
 int main(int argc, char ** argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s baseline|small-batch|input-view|graph-writes-weight|arena-too-large|headroom|abort\n", argv[0]);
+        fprintf(stderr, "usage: %s baseline|small-batch|shrink|input-view|graph-writes-weight|arena-too-large|headroom|abort\n", argv[0]);
         return 2;
     }
     const std::string name = argv[1];
     if (name == "baseline") {
         return two_splits(name, 32, true);
+    }
+    if (name == "shrink") {
+        return two_splits(name, 32, true, 4); // run with a device too small for 4 slots: 2 are used instead
     }
     if (name == "small-batch") {
         return two_splits(name, M + 1, false); // below min_batch: routed-only path into the slots, nothing ahead
