@@ -12,7 +12,8 @@ MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
 T0=$SECONDS
 # everything also goes to $OUT/verify.log as it happens: a call that runs past its limit still returns it
 exec > >(tee -a "$OUT/verify.log") 2>&1
-(python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL" > /tmp/synth.log 2>&1 &)
+python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL" > /tmp/synth.log 2>&1 < /dev/null &
+SYNTH=$!
 timeout 420 python3 -m pyllama_moe build --backend cuda --variant patched --archive .work/archives/llama.cpp-patched.tar.gz -j 16 \
     > "$OUT/build-patched.log" 2>&1 || { tail -20 "$OUT/build-patched.log"; exit 1; }
 tail -1 "$OUT/build-patched.log"; echo "build: $((SECONDS - T0)) s"
@@ -22,12 +23,12 @@ from pyllama_moe import models; from pyllama_moe.matrix import load_matrix; from
 m = models.ensure_model('glm4moe', load_matrix(CI_DIR / 'matrix.toml').models['glm4moe']); print(m)
 c = models.ensure_corpus(m, tokens=4000); open('/tmp/p.txt', 'w').write(c.read_text()[:6000])" | tail -1)
 for env in "LLAMA_MOE_PIN_EXPERTS=1" "LLAMA_MOE_PIN_EXPERTS=0" "LLAMA_MOE_PIN_EXPERTS=1 GGML_SCHED_PREFETCH=0 GGML_SCHED_ASYNC_INPUT=0"; do
-    env $env timeout 120 $P/llama-completion -m $GLM -ngl 2 -ub 2048 -b 2048 -f /tmp/p.txt -n 16 --temp 0 --fit off -no-cnv -t 8 -v \
-        > /tmp/o.txt 2> /tmp/e.txt
+    env $env timeout 60 $P/llama-completion -m $GLM -ngl 2 -ub 2048 -b 2048 -f /tmp/p.txt -n 16 --temp 0 --fit off -no-cnv -t 8 -v \
+        < /dev/null > /tmp/o.txt 2> /tmp/e.txt
     echo "glm4moe -ngl 2 ub2048 mmap [$env]: exit $? output $(md5sum < /tmp/o.txt | cut -c1-12) ($((SECONDS - T0)) s)"
     grep -E "llama_moe:|host-weight prefetch on|CUDA error" /tmp/e.txt | sed 's/^[0-9.]* . //' | head -3
 done
-while [ ! -s "$MODEL" ] || pgrep -f "pyllama_moe synth" > /dev/null; do sleep 2; done
+wait $SYNTH || { echo "synth failed"; tail -5 /tmp/synth.log; exit 1; }
 echo "== patched llama-bench, one run ($((SECONDS - T0)) s)"
 timeout 240 $P/llama-bench -m $MODEL -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none,mmap -pf 0,1 -r 5 -t 16 \
     -o md 2> "$OUT/bench-verify.err" | tee "$OUT/bench-verify.md"
