@@ -72,13 +72,9 @@ void llama_moe_set_prefetch_params(llama_context * ctx, llama_moe_prefetch_param
     ctx->set_prefetch(prefetch_merge(ctx->get_cparams().prefetch, params));
 }
 
-// the scheduler exists once the context reserved it (at creation, unless memory is only measured)
-static ggml_backend_sched_t sched_of(const llama_context * ctx) {
-    return ctx->get_sched();
-}
-
 int32_t llama_moe_prefetch_n_devices(const llama_context * ctx) {
-    ggml_backend_sched_t sched = sched_of(ctx);
+    // the scheduler exists once the context reserved it (at creation, unless memory is only measured)
+    ggml_backend_sched_t sched = ctx->get_sched();
     if (sched == nullptr) {
         return 0;
     }
@@ -90,7 +86,7 @@ int32_t llama_moe_prefetch_n_devices(const llama_context * ctx) {
 }
 
 size_t llama_moe_prefetch_arena_size(const llama_context * ctx) {
-    ggml_backend_sched_t sched = sched_of(ctx);
+    ggml_backend_sched_t sched = ctx->get_sched();
     if (sched == nullptr) {
         return 0;
     }
@@ -107,7 +103,7 @@ size_t llama_moe_prefetch_arena_size(const llama_context * ctx) {
 
 void llama_moe_get_stats(const llama_context * ctx, llama_moe_stats * stats) {
     *stats = {};
-    ggml_backend_sched_t sched = sched_of(ctx);
+    ggml_backend_sched_t sched = ctx->get_sched();
     if (sched == nullptr) {
         return;
     }
@@ -123,7 +119,7 @@ void llama_moe_get_stats(const llama_context * ctx, llama_moe_stats * stats) {
 }
 
 void llama_moe_reset_stats(llama_context * ctx) {
-    ggml_backend_sched_t sched = sched_of(ctx);
+    ggml_backend_sched_t sched = ctx->get_sched();
     if (sched != nullptr) {
         ggml_backend_sched_reset_stats(sched);
     }
