@@ -128,6 +128,21 @@ struct fixture {
         }
     }
 
+    // a graph input of the tokens' activations, set by the caller after allocation
+    ggml_tensor * input_x() {
+        ggml_tensor * x = ggml_new_tensor_2d(ctx_g, GGML_TYPE_F32, K, M);
+        ggml_set_input(x);
+        return x;
+    }
+
+    // the graph that computes `out`, marked as the output
+    ggml_cgraph * graph_of(ggml_tensor * out) {
+        ggml_set_output(out);
+        ggml_cgraph * g = ggml_new_graph(ctx_g);
+        ggml_build_forward_expand(g, out);
+        return g;
+    }
+
     // the matmul runs on SIM, whatever the batch
     ggml_tensor * mm(ggml_tensor * w, ggml_tensor * x) {
         ggml_tensor * y = ggml_mul_mat(ctx_g, w, x);
@@ -165,13 +180,10 @@ static int two_splits(const std::string & name, int min_batch, bool expect_ahead
     if (!f.init(prefetch_on(min_batch, depth))) {
         return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
     }
-    ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
-    ggml_set_input(x);
+    ggml_tensor * x = f.input_x();
     ggml_tensor * y1 = f.mm(f.w1, x);
     ggml_tensor * y2 = f.mm(f.w2, y1);
-    ggml_set_output(y2);
-    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
-    ggml_build_forward_expand(gf, y2);
+    ggml_cgraph * gf = f.graph_of(y2);
     if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
         return fail(name, "alloc_graph failed");
     }
@@ -210,9 +222,7 @@ static int input_view(const std::string & name) {
     ggml_set_input(f.xw); // an input in a host weights buffer: only its flag says it is not a weight
     ggml_tensor * xv = ggml_view_2d(f.ctx_g, f.xw, K, M, f.xw->nb[1], 0);
     ggml_tensor * y = f.mm(f.w1, xv);
-    ggml_set_output(y);
-    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
-    ggml_build_forward_expand(gf, y);
+    ggml_cgraph * gf = f.graph_of(y);
     if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
         return fail(name, "alloc_graph failed");
     }
@@ -251,12 +261,9 @@ static int graph_writes_weight(const std::string & name) {
     ggml_backend_sched_set_tensor_backend(f.sched, scaled, f.cpu);
     ggml_tensor * written = ggml_cpy(f.ctx_g, scaled, f.w1); // w1 = 2 * src, computed on the CPU
     ggml_backend_sched_set_tensor_backend(f.sched, written, f.cpu);
-    ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
-    ggml_set_input(x);
+    ggml_tensor * x = f.input_x();
     ggml_tensor * y = f.mm(written, x);
-    ggml_set_output(y);
-    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
-    ggml_build_forward_expand(gf, y);
+    ggml_cgraph * gf = f.graph_of(y);
     if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
         return fail(name, "alloc_graph failed");
     }
@@ -292,13 +299,9 @@ static int dropped(const std::string & name, bool by_headroom) {
     ggml_tensor * x = nullptr;
     ggml_tensor * y2 = nullptr;
     auto build = [&]() {
-        x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
-        ggml_set_input(x);
+        x = f.input_x();
         y2 = f.mm(f.w2, f.mm(f.w1, x));
-        ggml_set_output(y2);
-        ggml_cgraph * g = ggml_new_graph(f.ctx_g);
-        ggml_build_forward_expand(g, y2);
-        return g;
+        return f.graph_of(y2);
     };
     if (!ggml_backend_sched_reserve(f.sched, build())) {
         return fail(name, "reserve failed");
@@ -338,15 +341,12 @@ static int abort_mid_graph(const std::string & name) {
     }
     bool abort_flag = true;
     ggml_backend_cpu_set_abort_callback(f.cpu, abort_now, &abort_flag);
-    ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, M);
-    ggml_set_input(x);
+    ggml_tensor * x = f.input_x();
     ggml_tensor * y1 = f.mm(f.w1, x);
     ggml_tensor * h = ggml_scale(f.ctx_g, y1, 0.5f);
     ggml_backend_sched_set_tensor_backend(f.sched, h, f.cpu);
     ggml_tensor * y2 = f.mm(f.w2, h);
-    ggml_set_output(y2);
-    ggml_cgraph * gf = ggml_new_graph(f.ctx_g);
-    ggml_build_forward_expand(gf, y2);
+    ggml_cgraph * gf = f.graph_of(y2);
     if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
         return fail(name, "alloc_graph failed");
     }
