@@ -11,7 +11,9 @@
 #   ci/gpu/prefetch.sh build     builds (detached) + the 30B model; waits for the builds while time allows
 #   ci/gpu/prefetch.sh check     identity cells (subsets gpu, gpu-variants), sanitizer, syncs per token
 #   ci/gpu/prefetch.sh bench     pyllama-moe bench: pp4096 ub 2048/4096, pp512, tg128, -lm none and mmap
-# Results land in $OUT (or ./gpu-out).
+# or run all three as one detached pipeline that keeps the GPU busy between calls, repeating
+#   ci/gpu/prefetch.sh follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
+# back to back until it prints "pipeline finished". Results land in $OUT (or ./gpu-out).
 set -uo pipefail
 step=${1:?usage: prefetch.sh build|check|bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -22,6 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD
 A=.work/archives
 MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
 T0=$SECONDS
+PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, copied into $OUT by each follow call
 
 wait_builds() { # $1: seconds to wait at most; 0 when both builds finished and succeeded
     for v in master patched; do
@@ -36,6 +39,26 @@ wait_builds() { # $1: seconds to wait at most; 0 when both builds finished and s
 }
 
 case $step in
+follow)
+    if [ ! -f $PIPE.pid ]; then
+        mkdir -p $PIPE
+        setsid env OUT=$PIPE bash -c "bash $0 all > $PIPE/pipeline.log 2>&1; echo \$? > $PIPE/pipeline.rc" \
+            > /dev/null 2>&1 < /dev/null &
+        echo $! > $PIPE.pid
+        echo "pipeline started"
+    fi
+    while [ ! -f $PIPE/pipeline.rc ] && [ $((SECONDS - T0)) -lt "${FOLLOW_S:-560}" ]; do sleep 5; done
+    cp -r $PIPE/. "$OUT/"
+    tail -40 $PIPE/pipeline.log
+    [ -f $PIPE/pipeline.rc ] && echo "pipeline finished: exit $(cat $PIPE/pipeline.rc)"
+    ;;
+all)
+    # one step after the other; builds may take longer than one call here, nothing else competes for the GPU
+    for s in build check bench; do
+        echo "== step $s ($((SECONDS - T0)) s)"
+        BUILD_WAIT_S=1200 bash "$0" $s || exit 1
+    done
+    ;;
 build)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     for v in master patched; do
@@ -45,14 +68,14 @@ build)
     done
     [ -f "$MODEL" ] || { time python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL.partial" \
         && mv "$MODEL.partial" "$MODEL"; } 2>&1 | tail -3
-    wait_builds 560
+    wait_builds ${BUILD_WAIT_S:-560}
     ;;
 check)
     wait_builds 300 || exit 1
-    for s in gpu gpu-variants; do
-        python3 -m pyllama_moe compare --subset $s --archive-dir $A --json "$OUT/identity-$s.json" 2>&1 | tee "$OUT/identity-$s.txt"
+    for s in gpu-variants gpu; do
+        timeout 400 python3 -m pyllama_moe compare --subset $s --archive-dir $A --json "$OUT/identity-$s.json" 2>&1 | tee "$OUT/identity-$s.txt"
     done
-    python3 ci/gpu/syncs_per_token.py --archive-dir $A --model "$MODEL" 2>&1 | tee "$OUT/syncs.txt"
+    timeout 300 python3 ci/gpu/syncs_per_token.py --archive-dir $A --model "$MODEL" 2>&1 | tee "$OUT/syncs.txt"
     # stream ordering and memory: memcheck over a prefetched prompt (default mode 1 on CUDA) on a small model
     P=$(python3 - <<'EOF'
 from pyllama_moe.build import resolve
@@ -73,15 +96,15 @@ EOF
 bench)
     wait_builds 60 || exit 1
     # pp4096 at ub 2048 and 4096 with every expert on the host (-lm none: pinned) and with all on the GPU
-    python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+    timeout 400 python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
         --json "$OUT/bench-pp4096.json" -- -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none -t 16 \
         2>&1 | tee "$OUT/bench-pp4096.txt"
     # default mmap against -lm none at ub 2048 (the patched build's own ratio is the target)
-    python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+    timeout 400 python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
         --json "$OUT/bench-mmap.json" -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 48 -lm mmap,none -t 16 \
         2>&1 | tee "$OUT/bench-mmap.txt"
     # pp512 and tg128, host experts and all on the GPU
-    python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+    timeout 400 python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
         --json "$OUT/bench-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none -t 16 \
         2>&1 | tee "$OUT/bench-pp512-tg128.txt"
     ;;
