@@ -66,8 +66,12 @@ build)
         setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant $v --archive $A/llama.cpp-$v.tar.gz -j 8 \
             > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
     done
-    [ -f "$MODEL" ] || { time python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL.partial" \
-        && mv "$MODEL.partial" "$MODEL"; } 2>&1 | tail -3
+    # the builds create $PYLLAMA_MOE_HOME in the background; synth refuses an output folder that does not exist yet
+    mkdir -p "$PYLLAMA_MOE_HOME"
+    if [ ! -f "$MODEL" ]; then
+        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL.partial" --quiet < /dev/null \
+            && mv "$MODEL.partial" "$MODEL" || { echo "synth of $MODEL failed"; exit 1; }
+    fi
     wait_builds ${BUILD_WAIT_S:-560}
     ;;
 check)
