@@ -16,27 +16,8 @@
 # back to back until it prints "pipeline finished". Results land in $OUT (or ./gpu-out).
 set -uo pipefail
 step=${1:?usage: prefetch.sh build|check|bench}
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH PYLLAMA_MOE_HOME=/tmp/plm PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-A=.work/archives
-MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
-T0=$SECONDS
+. "$(dirname "$0")/common.sh"
 PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, copied into $OUT by each follow call
-
-wait_builds() { # $1: seconds to wait at most; 0 when both builds finished and succeeded
-    for v in master patched; do
-        while [ ! -f /tmp/plm-$v.rc ]; do
-            [ $((SECONDS - T0)) -ge "$1" ] && { echo "build $v still running after $((SECONDS - T0)) s"; return 2; }
-            sleep 5
-        done
-        cp /tmp/plm-build-$v.log "$OUT/build-$v.log"
-        [ "$(cat /tmp/plm-$v.rc)" = 0 ] || { echo "build $v failed"; tail -30 /tmp/plm-build-$v.log; return 1; }
-    done
-    grep -h "build .*/cuda: done" "$OUT"/build-*.log
-}
 
 case $step in
 follow)
@@ -60,18 +41,8 @@ all)
     done
     ;;
 build)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    for v in master patched; do
-        rm -f /tmp/plm-$v.rc
-        setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant $v --archive $A/llama.cpp-$v.tar.gz -j 8 \
-            > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
-    done
-    # the builds create $PYLLAMA_MOE_HOME in the background; synth refuses an output folder that does not exist yet
-    mkdir -p "$PYLLAMA_MOE_HOME"
-    if [ ! -f "$MODEL" ]; then
-        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL.partial" --quiet < /dev/null \
-            && mv "$MODEL.partial" "$MODEL" || { echo "synth of $MODEL failed"; exit 1; }
-    fi
+    start_builds
+    make_bench_model || exit 1
     wait_builds ${BUILD_WAIT_S:-560}
     ;;
 check)

@@ -1,0 +1,40 @@
+# Sourced by the ci/gpu/*.sh step scripts: the GPU machine's environment (wheels carried in .whl/, cache root
+# /tmp/plm, CUDA on PATH), CUDA builds of master and patched from the pruned archives in .work/archives, run
+# detached so that they outlive the device call that started them, and the Qwen3-30B-A3B-shaped bench model.
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH PYLLAMA_MOE_HOME=/tmp/plm PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+A=.work/archives
+MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
+T0=$SECONDS
+
+start_builds() { # both builds at once, -j 8 each, detached; each writes /tmp/plm-<variant>.rc when it ends
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    for v in master patched; do
+        rm -f /tmp/plm-$v.rc
+        setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant $v --archive $A/llama.cpp-$v.tar.gz -j 8 \
+            > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
+    done
+}
+
+make_bench_model() { # the 30B-shaped Q4_0 model (17 GB), unless it is there; non-zero when the writer failed
+    # the builds create $PYLLAMA_MOE_HOME in the background; synth refuses an output folder that does not exist yet
+    mkdir -p "$PYLLAMA_MOE_HOME"
+    [ -f "$MODEL" ] && return 0
+    python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 -o "$MODEL.partial" --quiet < /dev/null \
+        && mv "$MODEL.partial" "$MODEL" || { echo "synth of $MODEL failed"; return 1; }
+}
+
+wait_builds() { # $1: seconds since the script started to wait at most; 0 when both builds finished and succeeded
+    for v in master patched; do
+        while [ ! -f /tmp/plm-$v.rc ]; do
+            [ $((SECONDS - T0)) -ge "$1" ] && { echo "build $v still running after $((SECONDS - T0)) s"; return 2; }
+            sleep 5
+        done
+        cp /tmp/plm-build-$v.log "$OUT/build-$v.log"
+        [ "$(cat /tmp/plm-$v.rc)" = 0 ] || { echo "build $v failed"; tail -30 /tmp/plm-build-$v.log; return 1; }
+    done
+    grep -h "build .*/cuda: done" "$OUT"/build-*.log
+}
