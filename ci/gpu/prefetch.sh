@@ -29,7 +29,8 @@ follow)
         echo "pipeline started"
     fi
     while [ ! -f $PIPE/pipeline.rc ] && [ $((SECONDS - T0)) -lt "${FOLLOW_S:-560}" ]; do sleep 5; done
-    cp -r $PIPE/. "$OUT/"
+    # one archive: a device call returns only a few files from $OUT
+    tar czf "$OUT/pipeline.tgz" -C $PIPE . && cp $PIPE/pipeline.log "$OUT/"
     tail -40 $PIPE/pipeline.log
     [ -f $PIPE/pipeline.rc ] && echo "pipeline finished: exit $(cat $PIPE/pipeline.rc)"
     ;;
