@@ -5,6 +5,9 @@
 //   test_prefetch_hazards CASE      CASE: baseline | input-view | graph-writes-weight | arena-too-large |
 //                                         headroom | abort | small-batch | shrink
 //
+// Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
+// arena) is what ggml_backend_sched_get_buffer_size reports.
+//
 // Prints "ok CASE: ..." and exits 0, or "FAIL CASE: ..." and exits 1. Each case runs in its own process because
 // SIM reads its environment once.
 #include "ggml.h"
@@ -77,6 +80,7 @@ struct fixture {
     ggml_tensor *         w1 = nullptr;
     ggml_tensor *         w2 = nullptr;
     ggml_tensor *         xw = nullptr;    // an input that lives in the weights buffer (input-view case)
+    size_t                sim_free_at_init = 0;
 
     bool init(ggml_backend_sched_prefetch_params params) {
         ggml_backend_dev_t dev = ggml_backend_dev_by_name("SIM0");
@@ -88,6 +92,9 @@ struct fixture {
         ggml_backend_t backends[2] = { sim, cpu };
         sched = ggml_backend_sched_new(backends, nullptr, 2, 1024, false, true);
         ggml_backend_sched_set_prefetch(sched, params);
+        size_t total;
+        ggml_backend_dev_memory(dev, &sim_free_at_init, &total); // the weights live on the host: SIM0 holds only
+                                                                    // what the scheduler allocates from here on
 
         ggml_init_params ip = { 8 * ggml_tensor_overhead(), nullptr, true };
         ctx_w = ggml_init(ip);
@@ -150,6 +157,22 @@ struct fixture {
         return y;
     }
 
+    // allocates the graph; "" when the SIM memory the scheduler took (compute buffer and staging arena) is
+    // what it reports, which is what llama's compute-buffer log and memory breakdown show; else why not
+    std::string alloc(ggml_cgraph * gf) {
+        if (!ggml_backend_sched_alloc_graph(sched, gf)) {
+            return "alloc_graph failed";
+        }
+        size_t free_now, total;
+        ggml_backend_dev_memory(ggml_backend_get_device(sim), &free_now, &total);
+        const size_t reported = ggml_backend_sched_get_buffer_size(sched, sim);
+        if (sim_free_at_init - free_now != reported) {
+            return "the scheduler took " + std::to_string(sim_free_at_init - free_now) + " bytes of SIM0 and reports " +
+                   std::to_string(reported);
+        }
+        return "";
+    }
+
     std::vector<float> get(ggml_tensor * t) {
         std::vector<float> v(ggml_nelements(t));
         ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
@@ -184,8 +207,9 @@ static int two_splits(const std::string & name, int min_batch, bool expect_ahead
     ggml_tensor * y1 = f.mm(f.w1, x);
     ggml_tensor * y2 = f.mm(f.w2, y1);
     ggml_cgraph * gf = f.graph_of(y2);
-    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
-        return fail(name, "alloc_graph failed");
+    const std::string alloc_error = f.alloc(gf);
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
     }
     const std::vector<float> xv = ones_x(0.25f);
     ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
@@ -223,8 +247,9 @@ static int input_view(const std::string & name) {
     ggml_tensor * xv = ggml_view_2d(f.ctx_g, f.xw, K, M, f.xw->nb[1], 0);
     ggml_tensor * y = f.mm(f.w1, xv);
     ggml_cgraph * gf = f.graph_of(y);
-    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
-        return fail(name, "alloc_graph failed");
+    const std::string alloc_error = f.alloc(gf);
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
     }
     const std::vector<float> x0 = ones_x(0.25f), x1 = ones_x(-1000.0f);
     ggml_backend_tensor_set(f.xw, x0.data(), 0, ggml_nbytes(f.xw));
@@ -264,8 +289,9 @@ static int graph_writes_weight(const std::string & name) {
     ggml_tensor * x = f.input_x();
     ggml_tensor * y = f.mm(written, x);
     ggml_cgraph * gf = f.graph_of(y);
-    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
-        return fail(name, "alloc_graph failed");
+    const std::string alloc_error = f.alloc(gf);
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
     }
     std::vector<float> s = weight_values(7);
     ggml_backend_tensor_set(src, s.data(), 0, ggml_nbytes(src));
@@ -310,8 +336,9 @@ static int dropped(const std::string & name, bool by_headroom) {
     if (ggml_backend_sched_prefetch_enabled(f.sched, f.sim)) {
         return fail(name, "the prefetch is still on: the arena was expected not to fit");
     }
-    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
-        return fail(name, "alloc_graph failed after the prefetch was dropped");
+    const std::string alloc_error = f.alloc(gf);
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error + " (after the prefetch was dropped)");
     }
     const std::vector<float> xv = ones_x(0.25f);
     ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
@@ -347,8 +374,9 @@ static int abort_mid_graph(const std::string & name) {
     ggml_backend_sched_set_tensor_backend(f.sched, h, f.cpu);
     ggml_tensor * y2 = f.mm(f.w2, h);
     ggml_cgraph * gf = f.graph_of(y2);
-    if (!ggml_backend_sched_alloc_graph(f.sched, gf)) {
-        return fail(name, "alloc_graph failed");
+    const std::string alloc_error = f.alloc(gf);
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
     }
     const std::vector<float> xv = ones_x(0.25f);
     ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
