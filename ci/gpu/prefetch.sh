@@ -64,7 +64,7 @@ EOF
     for poison in 0 1; do
         GGML_SCHED_PREFETCH_DEBUG_POISON=$poison timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 \
             "$P/llama-completion" -m "$SMALL" -ngl 99 -cmoe -lm none -ub 512 -b 2048 -f /tmp/prompt.txt -n 8 \
-            --temp 0 --fit off -no-cnv > "$OUT/sanitizer-$poison.txt" 2>&1
+            --temp 0 --fit off -no-cnv -v > "$OUT/sanitizer-$poison.txt" 2>&1
         echo "compute-sanitizer memcheck (debug poison $poison): exit $?"
         grep -E "ERROR SUMMARY|host-weight prefetch" "$OUT/sanitizer-$poison.txt" | head -4
     done
