@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from pyllama_moe.build import Build, read_stamp
+from pyllama_moe.buildinfo import embedded_mismatch, parse_build_info
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import NATIVE_DIR
 
@@ -47,10 +48,6 @@ def _ffi():
     cdef = cdef_from_header()
     ffi.cdef(cdef)
     return ffi, tuple(declared_functions(cdef))
-
-
-def parse_build_info(text: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in text.split(";") if "=" in part)
 
 
 @dataclass
@@ -98,14 +95,9 @@ def check_stamp(build: Build) -> None:
 
 def check_embedded(build: Build, info: dict[str, str] | None, path: Path) -> None:
     """Refuse a library whose embedded build info does not name `build` (master embeds none)."""
-    if build.variant == "master":
-        if info is not None:
-            raise UserError(f"{path} exports llama_moe_build_info, so it is not a master build", _rebuild(build))
-    elif info is None:
-        raise UserError(f"{path} has no llama_moe_build_info: it is not a patched build", _rebuild(build))
-    elif info.get("key") != build.key or info.get("variant") != build.variant:
-        raise UserError(f"{path} embeds key {info.get('key')} ({info.get('variant')}), the build dir is stamped {build.key}",
-                        _rebuild(build))
+    why = embedded_mismatch(build.variant, build.key, info, path)
+    if why:
+        raise UserError(why, _rebuild(build))
 
 
 def load(build: Build) -> MoeLib:

@@ -23,6 +23,8 @@ if os.environ.get("LLAMA_CPP_LIB_PATH"):
 
 import numpy as np  # noqa: E402
 
+from pyllama_moe.buildinfo import embedded_mismatch, parse_build_info  # noqa: E402
+
 # what common/common.h calls LLM_FFN_EXPS_REGEX: the expert tensors --cpu-moe and -ncmoe keep on the CPU
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 LOAD_MODES = {"none": 0, "mmap": 1}
@@ -143,14 +145,10 @@ def _check_build(lib_dir: Path, expect: dict) -> None:
     fn = getattr(lib, "llama_moe_build_info", None)
     if fn is not None:
         fn.restype = ctypes.c_char_p
-    info = dict(p.split("=", 1) for p in fn().decode().split(";") if "=" in p) if fn is not None else None
-    if expect.get("variant") == "master":
-        ok = info is None
-    else:
-        ok = info is not None and info.get("key") == expect.get("key") and info.get("variant") == expect.get("variant")
-    if not ok:
-        raise RuntimeError(f"{lib_dir / 'libllama.so'} is not the {expect.get('variant')} build {expect.get('key')} "
-                           f"(it embeds {info}); rebuild it")
+    info = parse_build_info(fn().decode()) if fn is not None else None
+    why = embedded_mismatch(expect.get("variant"), expect.get("key"), info, lib_dir / "libllama.so")
+    if why:
+        raise RuntimeError(f"{why}; rebuild it")
 
 
 def run(req: dict) -> dict:

@@ -1,11 +1,15 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
-from pyllama_moe import ffi
+from pyllama_moe import ffi, models, runner
 from pyllama_moe.build import Build, BuildSpec, build, build_key, find_build, read_stamp, STAMP_NAME
+from pyllama_moe.buildinfo import embedded_mismatch, parse_build_info
 from pyllama_moe.errors import UserError
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
 from pyllama_moe.trees import Tree
 
 
@@ -94,3 +98,27 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(UserError, match="no working C/C\\+\\+ compiler .*no-such-cc.* install gcc"):
         build_key(BuildSpec(Tree("master", tmp_path, "pin:x", "")))
+
+
+def test_worker_refuses_a_library_whose_embedded_key_differs(patched_build, src, tmp_path):
+    # the stamp passes the parent's check; the worker process must still refuse the library it loaded
+    fake = tmp_path / "fake-build"
+    shutil.copytree(patched_build.bin_dir, fake / "bin", symlinks=True)
+    stamp = read_stamp(patched_build.path)
+    stamp["key"] = "f" * 24
+    (fake / STAMP_NAME).write_text(json.dumps(stamp))
+    model = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+    spec = runner.RunSpec(model=model, tokens=[16, 17, 18], threads=1)
+    with pytest.raises(UserError, match=f"embeds key {patched_build.key} \\(patched\\), not the patched build f{{24}}"):
+        runner.run(Build(fake, "f" * 24, "patched", "cpu"), src, spec)
+
+
+def test_embedded_build_info_rule():
+    path = Path("libllama.so")
+    good = {"key": "k1", "variant": "patched"}
+    assert embedded_mismatch("patched", "k1", good, path) is None
+    assert embedded_mismatch("master", "k0", None, path) is None
+    assert "not a master build" in embedded_mismatch("master", "k0", good, path)
+    assert "not a patched build" in embedded_mismatch("patched", "k1", None, path)
+    assert "embeds key k1 (patched), not the patched build k2" in embedded_mismatch("patched", "k2", good, path)
+    assert parse_build_info("key=k1;variant=patched;pin=0.3.36@abc") == {"key": "k1", "variant": "patched", "pin": "0.3.36@abc"}
