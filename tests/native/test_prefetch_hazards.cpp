@@ -114,25 +114,13 @@ struct fixture {
         return true;
     }
 
-    ~fixture() {
-        if (sched) {
-            ggml_backend_sched_free(sched);
-        }
-        if (ctx_g) {
-            ggml_free(ctx_g);
-        }
-        if (buf_w) {
-            ggml_backend_buffer_free(buf_w);
-        }
-        if (ctx_w) {
-            ggml_free(ctx_w);
-        }
-        if (sim) {
-            ggml_backend_free(sim);
-        }
-        if (cpu) {
-            ggml_backend_free(cpu);
-        }
+    ~fixture() { // each of these accepts NULL (a fixture whose init stopped early)
+        ggml_backend_sched_free(sched);
+        ggml_free(ctx_g);
+        ggml_backend_buffer_free(buf_w);
+        ggml_free(ctx_w);
+        ggml_backend_free(sim);
+        ggml_backend_free(cpu);
     }
 
     // a graph input of the tokens' activations, set by the caller after allocation
