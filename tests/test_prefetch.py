@@ -60,6 +60,9 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
     ("shrink", {"GGML_SIM_MEMORY_MIB": "0.9"}),
     ("headroom", {}),
     ("abort", {}),
+    # slow computes, fast copies: an upload that does not wait for the previous graph lands under its last read
+    # (poison off: SIM's poison fill of newly allocated tensors waits for the device, which would hide it)
+    ("small-then-large", {"GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000", "GGML_SIM_POISON": "0"}),
 ])
 def test_hazard_handled(hazards, case, env):
     proc = _hazard(hazards, case, **env)

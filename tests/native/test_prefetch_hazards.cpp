@@ -3,7 +3,7 @@
 // slow copies so that a copy issued too early or left running is visible, and poison on.
 //
 //   test_prefetch_hazards CASE      CASE: baseline | input-view | graph-writes-weight | arena-too-large |
-//                                         headroom | abort | small-batch | shrink
+//                                         headroom | abort | small-batch | shrink | small-then-large
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -16,6 +16,7 @@
 #include "ggml-cpu.h"
 #include "ggml-sim.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -109,7 +110,7 @@ struct fixture {
         ggml_backend_tensor_set(w1, weight_values(1).data(), 0, ggml_nbytes(w1));
         ggml_backend_tensor_set(w2, weight_values(2).data(), 0, ggml_nbytes(w2));
 
-        ggml_init_params gp = { 64 * ggml_tensor_overhead() + 2 * ggml_graph_overhead(), nullptr, true };
+        ggml_init_params gp = { 64 * ggml_tensor_overhead() + 3 * ggml_graph_overhead(), nullptr, true };
         ctx_g = ggml_init(gp);
         return true;
     }
@@ -344,6 +345,83 @@ static int dropped(const std::string & name, bool by_headroom) {
     return 0;
 }
 
+// a small batch (weights copied into the slots on the compute stream, no release events) queued right before a
+// large one (uploads ahead on the copy queue), with no synchronization between them, as llama.cpp may run two
+// ubatches: the large batch's uploads must wait for the small batch's last reads of the slots. The two graphs
+// read the weights in opposite orders, so an upload that lands early puts the other weight under the small
+// batch's second matmul. Run with slow computes and fast copies.
+static int small_then_large(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on(M + 1))) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    auto chain = [&](int64_t tokens, ggml_tensor * first, ggml_tensor * second, ggml_tensor ** x, ggml_tensor ** y) {
+        *x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, tokens);
+        ggml_set_input(*x);
+        *y = f.mm(second, f.mm(first, *x));
+        return f.graph_of(*y);
+    };
+    ggml_tensor * xs, * ys, * xl, * yl;
+    // sized for the large graph, so that neither allocation below has to grow (and synchronize); a graph the
+    // scheduler has split points at its copies, so each allocation gets a graph of its own, as in llama.cpp
+    if (!ggml_backend_sched_reserve(f.sched, chain(2 * M, f.w2, f.w1, &xl, &yl))) {
+        return fail(name, "reserve failed");
+    }
+    ggml_cgraph * small = chain(M, f.w1, f.w2, &xs, &ys);
+    std::string alloc_error = f.alloc(small);
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
+    }
+    const std::vector<float> xsv = ones_x(0.25f);
+    ggml_backend_tensor_set(xs, xsv.data(), 0, ggml_nbytes(xs));
+    if (ggml_backend_sched_graph_compute_async(f.sched, small) != GGML_STATUS_SUCCESS) {
+        return fail(name, "compute of the small batch failed");
+    }
+    // read on the compute stream right after the small batch: the large one may reuse its memory
+    std::vector<float> got_small(ggml_nelements(ys));
+    ggml_backend_tensor_get_async(f.sim, ys, got_small.data(), 0, ggml_nbytes(ys));
+
+    ggml_backend_sched_reset(f.sched);
+    ggml_cgraph * large = chain(2 * M, f.w2, f.w1, &xl, &yl);
+    alloc_error = f.alloc(large);
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
+    }
+    std::vector<float> xlv(2 * K * M);
+    for (size_t i = 0; i < xlv.size(); i++) {
+        xlv[i] = 0.125f * (float) ((i % 5) + 1);
+    }
+    ggml_backend_tensor_set(xl, xlv.data(), 0, ggml_nbytes(xl));
+    if (ggml_backend_sched_graph_compute_async(f.sched, large) != GGML_STATUS_SUCCESS) {
+        return fail(name, "compute of the large batch failed");
+    }
+    ggml_backend_sched_synchronize(f.sched);
+
+    ggml_backend_sched_stats st;
+    ggml_backend_sched_get_stats(f.sched, &st);
+    if (st.n_prefetch_uploads != 2) {
+        return fail(name, "prefetch uploads: " + std::to_string(st.n_prefetch_uploads) + ", expected 2 (the large batch only)");
+    }
+    std::string why;
+    if (!close_to(got_small, matmul(weight_values(2), matmul(weight_values(1), xsv, N), N), why)) {
+        return fail(name, "the small batch read an upload of the large one: " + why);
+    }
+    std::vector<float> want_large(N * 2 * M);
+    {
+        // matmul() works on M tokens: the large batch in two halves
+        const std::vector<float> lo(xlv.begin(), xlv.begin() + K * M), hi(xlv.begin() + K * M, xlv.end());
+        const std::vector<float> a = matmul(weight_values(1), matmul(weight_values(2), lo, N), N);
+        const std::vector<float> b = matmul(weight_values(1), matmul(weight_values(2), hi, N), N);
+        std::copy(a.begin(), a.end(), want_large.begin());
+        std::copy(b.begin(), b.end(), want_large.begin() + N * M);
+    }
+    if (!close_to(f.get(yl), want_large, why)) {
+        return fail(name, "the large batch: " + why);
+    }
+    printf("ok %s\n", name.c_str());
+    return 0;
+}
+
 static bool abort_now(void * data) {
     return *(bool *) data;
 }
@@ -397,7 +475,7 @@ static int abort_mid_graph(const std::string & name) {
 
 int main(int argc, char ** argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s baseline|small-batch|shrink|input-view|graph-writes-weight|arena-too-large|headroom|abort\n", argv[0]);
+        fprintf(stderr, "usage: %s baseline|small-batch|shrink|input-view|graph-writes-weight|arena-too-large|headroom|abort|small-then-large\n", argv[0]);
         return 2;
     }
     const std::string name = argv[1];
@@ -424,6 +502,9 @@ int main(int argc, char ** argv) {
     }
     if (name == "abort") {
         return abort_mid_graph(name);
+    }
+    if (name == "small-then-large") {
+        return small_then_large(name);
     }
     fprintf(stderr, "unknown case %s\n", name.c_str());
     return 2;
