@@ -15,9 +15,9 @@
 #   ci/gpu/prefetch.sh follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished". Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: prefetch.sh build|check|bench}
+step=${1:?usage: prefetch.sh build|check|bench|follow|all}
 . "$(dirname "$0")/common.sh"
-PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, copied into $OUT by each follow call
+PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, archived into $OUT by each follow call
 
 case $step in
 follow)
