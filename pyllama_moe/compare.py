@@ -194,6 +194,7 @@ class Harness:
                 detail.update(_kld_summary(out))
         return Check("perplexity", same, detail)
 
+
 def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check:
     """The prefetch really took its path: prompt ubatches of at least min_batch tokens uploaded host weights
     ahead, smaller ones bound the copies to the staging arena without uploading anything ahead."""

@@ -97,15 +97,11 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
 class _MoeApi:
     """llama-moe.h of the loaded libllama through cffi (the same library llama_cpp loaded), for one context."""
 
-    FIELDS = ("n_graph_computes", "n_splits", "n_splits_host_input", "n_host_syncs", "n_host_syncs_upload",
-              "n_prefetch_uploads", "prefetch_upload_bytes")
-
     def __init__(self, lib_dir: Path, ctx):
         from pyllama_moe.ffi import _ffi
 
-        self.ffi, names = _ffi()
+        self.ffi, _ = _ffi()
         self.lib = self.ffi.dlopen(str(lib_dir / "libllama.so"))
-        self.names = set(names)
         self.ctx = self.ffi.cast("struct llama_context *", ctypes.cast(ctx, ctypes.c_void_p).value)
 
     def set_prefetch(self, params: dict) -> None:
@@ -120,7 +116,7 @@ class _MoeApi:
     def stats(self) -> dict:
         st = self.ffi.new("struct llama_moe_stats *")
         self.lib.llama_moe_get_stats(self.ctx, st)
-        out = {k: int(getattr(st, k)) for k in self.FIELDS}
+        out = {name: int(getattr(st, name)) for name, _ in self.ffi.typeof("struct llama_moe_stats").fields}
         out["prefetch_devices"] = int(self.lib.llama_moe_prefetch_n_devices(self.ctx))
         out["prefetch_arena_bytes"] = int(self.lib.llama_moe_prefetch_arena_size(self.ctx))
         return out
