@@ -1,9 +1,15 @@
-"""`pyllama-moe bench`: llama-bench of two builds on one model, builds alternated, ratio of medians per test.
+"""`pyllama-moe bench`: A/B llama-bench of two builds on one model, as paired rounds with confidence intervals.
 
-Each round runs llama-bench once per build (baseline first in even rounds, candidate first in odd ones, so
-neither build always runs on a warmer machine), `-r REPS` repetitions each, JSON output. Samples of all
-rounds are pooled per test and build; the table shows both medians, the candidate/baseline ratio of medians,
-and the spread (max-min over median) of each side. Absolute numbers only mean something on the GPU machine.
+A round runs llama-bench once per build, back to back (baseline first in even rounds, candidate first in odd
+ones: ABBA order, so a linear drift of the machine favours neither build), each with a few repetitions
+(`-r REPS`). The first `discard` repetitions of every invocation are warm-up and are dropped: on the GPU
+machine the first repetition after llama-bench's own warm-up run is still 2-15% slow. The rest of an
+invocation is averaged into one block mean, and per test the ratio candidate/baseline and its interval come
+from the rounds' pairs of block means (`pyllama_moe.stats`, which says why the invocation is the unit).
+
+Short rounds repeated often beat long rounds: with `target_ci` the rounds go on until every test's interval
+is at most +/- target_ci, or the time budget is spent; rows that did not get there are named. Absolute numbers
+only mean something on the GPU machine.
 """
 
 from __future__ import annotations
@@ -13,39 +19,116 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from pyllama_moe import stats
 from pyllama_moe.build import Build
 from pyllama_moe.errors import UserError
 from pyllama_moe.progress import say
 
+SIDES = ("baseline", "candidate")
+SCHEMA = 2
 # llama-bench JSON fields that identify a test (everything that is a setting, not a result or a build id)
 TEST_FIELDS = ("n_prompt", "n_gen", "n_depth", "n_batch", "n_ubatch", "n_gpu_layers", "n_cpu_moe", "type_k",
                "type_v", "flash_attn", "load_mode", "no_host", "repack", "tensor_buft_overrides", "n_threads",
-               "no_op_offload", "split_mode")
+               "cpu_mask", "cpu_strict", "poll", "no_op_offload", "split_mode")
+# a round needs at least this many pairs before an interval is trusted to stop on (t with 2 degrees of
+# freedom is 4.3: a narrow interval from 3 pairs is rare, and from fewer it is luck)
+MIN_ROUNDS_FOR_TARGET = 3
+
+
+@dataclass(frozen=True)
+class Sample:
+    side: str
+    round: int
+    invocation: int  # position in the run's sequence of llama-bench processes
+    rep: int
+    ts: float  # tokens per second of this repetition
+    discarded: bool  # warm-up: not used in any statistic
 
 
 @dataclass
-class TestRow:
+class BenchRow:
     key: tuple
     label: str
-    samples: dict[str, list[float]] = field(default_factory=dict)  # side -> tokens/s samples
+    fields: dict
+    samples: list[Sample] = field(default_factory=list)
+
+    def kept(self, side: str) -> list[float]:
+        return [s.ts for s in self.samples if s.side == side and not s.discarded]
+
+    def block_means(self, side: str) -> dict[int, float]:
+        blocks = self.blocks(side)
+        return {rnd: statistics.fmean(values) for rnd, values in blocks.items()}
+
+    def blocks(self, side: str) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for s in self.samples:
+            if s.side == side and not s.discarded:
+                out.setdefault(s.round, []).append(s.ts)
+        return out
 
     def median(self, side: str) -> float | None:
-        values = self.samples.get(side)
+        values = self.kept(side)
         return statistics.median(values) if values else None
 
-    def spread(self, side: str) -> float | None:
-        values = self.samples.get(side)
-        if not values:
-            return None
-        med = statistics.median(values)
-        return (max(values) - min(values)) / med if med else None
+    def interval(self, confidence: float = stats.CONFIDENCE) -> stats.RatioInterval | None:
+        base, cand = self.block_means("baseline"), self.block_means("candidate")
+        return stats.paired_ratio_interval([(base[r], cand[r]) for r in sorted(base) if r in cand], confidence)
 
-    def ratio(self) -> float | None:
-        base, cand = self.median("baseline"), self.median("candidate")
-        return cand / base if base and cand is not None else None
+    def noise(self, side: str) -> dict:
+        """Per-sample CV, the CV of repetitions inside one process, and the CV between processes' means."""
+        return {"samples": len(self.kept(side)), "cv_sample": stats.cv(self.kept(side)),
+                "cv_within": stats.within_cv(list(self.blocks(side).values())),
+                "cv_between": stats.cv(list(self.block_means(side).values()))}
+
+
+@dataclass
+class BenchPlan:
+    model: Path
+    bench_args: list[str]
+    reps: int = 3
+    discard: int = 1
+    rounds: int = 4  # without target_ci: the number of rounds; with it: the least number
+    target_ci: float | None = None  # relative half-width every test's interval must reach, e.g. 0.03
+    max_seconds: float | None = None  # time budget of the rounds (a round that would not fit is not started)
+    confidence: float = stats.CONFIDENCE
+    env: dict[str, dict] = field(default_factory=dict)  # side -> extra environment of that build's runs
+
+    def check(self) -> None:
+        if not Path(self.model).is_file():
+            raise UserError(f"model {self.model} does not exist", "pass a GGUF file (make one with `pyllama-moe synth`)")
+        if self.reps < 1 or not 0 <= self.discard < self.reps:
+            raise UserError(f"--reps {self.reps} with --discard {self.discard} keeps no repetition",
+                            "use --reps greater than --discard (e.g. --reps 3 --discard 1)")
+        if self.rounds < 1:
+            raise UserError(f"--rounds {self.rounds}", "use at least one round")
+        if self.target_ci is not None and not 0 < self.target_ci < 1:
+            raise UserError(f"--target-ci {self.target_ci} is not a relative half-width",
+                            "give a fraction such as 0.03 (for +/- 3%)")
+        for flag in ("-r", "--repetitions", "-o", "--output"):
+            if flag in self.bench_args:
+                raise UserError(f"llama-bench argument {flag} is set by bench itself", "use --reps, and --json for output")
+
+
+@dataclass
+class BenchResult:
+    rows: dict[tuple, BenchRow] = field(default_factory=dict)
+    rounds: list[dict] = field(default_factory=list)  # per round: order of the sides, seconds per invocation
+    stop_reason: str = ""
+    seconds: float = 0.0
+
+    def converged(self, target: float | None) -> dict[str, bool]:
+        """Per test label: whether its interval is at most +/- target (only meaningful with a target)."""
+        out = {}
+        for row in self.rows.values():
+            iv = row.interval()
+            out[row.label] = bool(iv and iv.half_width is not None and iv.n >= MIN_ROUNDS_FOR_TARGET
+                                  and iv.half_width <= target) if target else False
+        return out
 
 
 def test_label(entry: dict) -> str:
@@ -77,37 +160,141 @@ def run_llama_bench(build: Build, args: list[str], env: dict | None = None) -> l
         raise UserError(f"llama-bench of the {build.variant} build printed no JSON", "run it by hand to see why") from exc
 
 
-def ab_bench(baseline: Build, candidate: Build, model: Path, bench_args: list[str], rounds: int = 2, reps: int = 5,
-             baseline_env: dict | None = None, candidate_env: dict | None = None) -> list[TestRow]:
-    if not Path(model).is_file():
-        raise UserError(f"model {model} does not exist", "pass a GGUF file (make one with `pyllama-moe synth`)")
-    args = ["-m", str(model), "-r", str(reps), *bench_args]
-    rows: dict[tuple, TestRow] = {}
-    sides = [("baseline", baseline, baseline_env), ("candidate", candidate, candidate_env)]
-    for rnd in range(rounds):
-        order = sides if rnd % 2 == 0 else sides[::-1]
-        for side, build, env in order:
-            say(f"round {rnd + 1}/{rounds}: llama-bench {build.variant} ({side})")
-            for entry in run_llama_bench(build, args, env):
-                key = tuple(entry.get(f) for f in TEST_FIELDS)
-                row = rows.setdefault(key, TestRow(key, test_label(entry)))
-                row.samples.setdefault(side, []).extend(entry.get("samples_ts") or [entry["avg_ts"]])
-    return list(rows.values())
+def _add_invocation(result: BenchResult, entries: list[dict], side: str, rnd: int, invocation: int,
+                    discard: int) -> None:
+    for entry in entries:
+        key = tuple(entry.get(f) for f in TEST_FIELDS)
+        row = result.rows.setdefault(key, BenchRow(key, test_label(entry), {f: entry.get(f) for f in TEST_FIELDS}))
+        for rep, ts in enumerate(entry.get("samples_ts") or [entry["avg_ts"]]):
+            row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard))
 
 
-def format_table(rows: list[TestRow], base_name: str, cand_name: str) -> str:
-    head = f"| test | {base_name} t/s (median) | spread | {cand_name} t/s (median) | spread | ratio |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|"]
-    for row in rows:
-        b, c, r = row.median("baseline"), row.median("candidate"), row.ratio()
-        bs, cs = row.spread("baseline"), row.spread("candidate")
-        lines.append(f"| {row.label} | {b:.2f} | {bs:.1%} | {c:.2f} | {cs:.1%} | {r:.3f} |" if None not in (b, c, r, bs, cs)
-                     else f"| {row.label} | {b} | | {c} | | n/a |")
+def ab_bench(builds: dict[str, Build], plan: BenchPlan,
+             on_round: Callable[[BenchResult], None] | None = None) -> BenchResult:
+    """Rounds of one llama-bench invocation per build until the plan says stop; `on_round` sees each round."""
+    plan.check()
+    args = ["-m", str(plan.model), "-r", str(plan.reps), *plan.bench_args]
+    result = BenchResult()
+    started = time.monotonic()
+    rnd = 0
+    while True:
+        order = SIDES if rnd % 2 == 0 else SIDES[::-1]
+        seconds = {}
+        for side in order:
+            t0 = time.monotonic()
+            entries = run_llama_bench(builds[side], args, plan.env.get(side))
+            seconds[side] = round(time.monotonic() - t0, 2)
+            _add_invocation(result, entries, side, rnd, 2 * rnd + order.index(side), plan.discard)
+        result.rounds.append({"round": rnd, "order": list(order), "seconds": seconds})
+        result.seconds = time.monotonic() - started
+        rnd += 1
+        say(f"round {rnd}: " + "; ".join(_round_note(row) for row in result.rows.values()))
+        if on_round:
+            on_round(result)
+        reason = _stop_reason(result, plan, rnd)
+        if reason:
+            result.stop_reason = reason
+            return result
+
+
+def _round_note(row: BenchRow) -> str:
+    iv = row.interval()
+    if iv is None:
+        return f"{row.label}: no pair"
+    spread = f" +/-{iv.half_width:.1%}" if iv.half_width is not None else ""
+    return f"{row.label}: {iv.ratio:.3f}{spread}"
+
+
+def _stop_reason(result: BenchResult, plan: BenchPlan, done: int) -> str:
+    if done < plan.rounds:
+        if plan.max_seconds is not None and result.seconds + _last_round_seconds(result) > plan.max_seconds:
+            return f"time budget: {result.seconds:.0f} s of {plan.max_seconds:.0f} s spent after {done} rounds"
+        return ""
+    if plan.target_ci is None:
+        return f"{done} rounds"
+    if all(plan_ok for plan_ok in result.converged(plan.target_ci).values()):
+        return f"every interval within +/-{plan.target_ci:.1%} after {done} rounds"
+    if plan.max_seconds is not None and result.seconds + _last_round_seconds(result) > plan.max_seconds:
+        return f"time budget: {result.seconds:.0f} s of {plan.max_seconds:.0f} s spent after {done} rounds"
+    return ""
+
+
+def _last_round_seconds(result: BenchResult) -> float:
+    return sum(result.rounds[-1]["seconds"].values()) if result.rounds else 0.0
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.1%}"
+
+
+def _interval_text(iv: stats.RatioInterval | None) -> tuple[str, str]:
+    if iv is None:
+        return "n/a", ""
+    if iv.low is None:
+        return f"{iv.ratio:.3f}", "(1 round)"
+    return f"{iv.ratio:.3f} [{iv.low:.3f}, {iv.high:.3f}]", f"+/-{iv.half_width:.1%}"
+
+
+def format_table(result: BenchResult, names: dict[str, str], target: float | None = None,
+                 extra: dict[str, dict[str, str]] | None = None) -> str:
+    """One row per test: medians, ratio with interval, rounds; `extra` adds columns (label -> column -> text)."""
+    extra = extra or {}
+    extra_cols = sorted({c for cols in extra.values() for c in cols})
+    converged = result.converged(target) if target else {}
+    head = (f"| test | {names['baseline']} t/s | {names['candidate']} t/s | ratio [95% CI] | +/- | rounds |"
+            + "".join(f" {c} |" for c in extra_cols))
+    lines = [head, "|---|---:|---:|---:|---:|---:|" + "---:|" * len(extra_cols)]
+    for row in result.rows.values():
+        b, c = row.median("baseline"), row.median("candidate")
+        iv = row.interval()
+        ratio, half = _interval_text(iv)
+        mark = " (not converged)" if target and not converged.get(row.label) else ""
+        cells = [row.label + mark, f"{b:.2f}" if b else "n/a", f"{c:.2f}" if c else "n/a", ratio, half,
+                 str(iv.n if iv else 0), *(extra.get(row.label, {}).get(col, "") for col in extra_cols)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def to_json(rows: list[TestRow], meta: dict) -> str:
-    return json.dumps({"meta": meta, "tests": [
-        {"test": r.label, "median_baseline": r.median("baseline"), "median_candidate": r.median("candidate"),
-         "ratio": r.ratio(), "spread_baseline": r.spread("baseline"), "spread_candidate": r.spread("candidate"),
-         "samples": r.samples} for r in rows]}, indent=1)
+def format_noise(result: BenchResult, names: dict[str, str]) -> str:
+    """The noise of each side: what the intervals are made of, and what a study of the machine compares."""
+    lines = ["| test | build | samples | CV per sample | CV within a process | CV between processes |",
+             "|---|---|---:|---:|---:|---:|"]
+    for row in result.rows.values():
+        for side in SIDES:
+            n = row.noise(side)
+            lines.append(f"| {row.label} | {names[side]} | {n['samples']} | {_pct(n['cv_sample'])} | "
+                         f"{_pct(n['cv_within'])} | {_pct(n['cv_between'])} |")
+    return "\n".join(lines)
+
+
+def row_json(row: BenchRow, target: float | None, converged: dict[str, bool]) -> dict:
+    iv = row.interval()
+    return {"test": row.label, "key": row.fields,
+            "median_baseline": row.median("baseline"), "median_candidate": row.median("candidate"),
+            "ratio": iv.ratio if iv else None, "ci_low": iv.low if iv else None, "ci_high": iv.high if iv else None,
+            "half_width": iv.half_width if iv else None, "n_pairs": iv.n if iv else 0,
+            "converged": converged.get(row.label) if target else None,
+            "noise": {side: row.noise(side) for side in SIDES},
+            "samples": [vars(s) for s in row.samples]}
+
+
+def to_json(result: BenchResult, meta: dict, target: float | None = None,
+            extra_rows: dict[str, dict] | None = None) -> str:
+    """Schema 2: every sample with its round, invocation and repetition; per test the interval and noise."""
+    converged = result.converged(target) if target else {}
+    tests = []
+    for row in result.rows.values():
+        entry = row_json(row, target, converged)
+        entry.update((extra_rows or {}).get(row.label, {}))
+        tests.append(entry)
+    full_meta = {"schema": SCHEMA, "method": stats.METHOD, "confidence": stats.CONFIDENCE,
+                 "stop_reason": result.stop_reason, "seconds": round(result.seconds, 1), "rounds_log": result.rounds,
+                 **meta}
+    return json.dumps({"meta": full_meta, "tests": tests}, indent=1)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A results file is either the previous complete one or the new complete one, never half of each."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)

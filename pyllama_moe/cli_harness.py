@@ -13,6 +13,7 @@ from pyllama_moe.paths import CI_DIR
 
 DEFAULT_MATRIX = CI_DIR / "matrix.toml"
 DEFAULT_BENCH_ARGS = ["-p", "512", "-n", "32", "-ub", "512", "-t", "2"]  # llama-bench fits only with -fitt
+DEFAULT_TARGET_SECONDS = 900.0  # bench --target-ci without --max-seconds
 
 
 def _threads(args) -> int:
@@ -89,23 +90,68 @@ def cmd_compare(args) -> int:
     return run_compare(args)[0]
 
 
+def _env_pairs(values: list[str] | None, flag: str) -> dict:
+    env = {}
+    for kv in values or []:
+        name, sep, value = kv.partition("=")
+        if not sep or not name:
+            raise UserError(f"{flag} {kv!r} is not NAME=VALUE", f"e.g. {flag} LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5")
+        env[name] = value
+    return env
+
+
 def run_bench(args, model: Path) -> str:
-    from pyllama_moe import bench
+    from pyllama_moe import bench, bench_limits
     from pyllama_moe.build import resolve
 
     kw = dict(sdist=args.sdist, llama_src=args.llama_src, make=not args.no_build)
     archive = lambda v: (args.archive_dir / f"llama.cpp-{v}.tar.gz") if args.archive_dir else None  # noqa: E731
-    base = resolve(args.baseline, args.backend, archive=archive(args.baseline), **kw)
-    cand = resolve(args.candidate, args.backend, archive=archive(args.candidate), **kw)
+    builds = {"baseline": resolve(args.baseline, args.backend, archive=archive(args.baseline), **kw),
+              "candidate": resolve(args.candidate, args.backend, archive=archive(args.candidate), **kw)}
+    names = {"baseline": args.baseline, "candidate": args.candidate}
+    if args.baseline == args.candidate:
+        names = {"baseline": f"{args.baseline} (A)", "candidate": f"{args.candidate} (B)"}
     bench_args = args.bench_args or DEFAULT_BENCH_ARGS
-    rows = bench.ab_bench(base, cand, model, bench_args, rounds=args.rounds, reps=args.reps,
-                          candidate_env=dict(kv.split("=", 1) for kv in (args.candidate_env or [])))
-    table = bench.format_table(rows, args.baseline, args.candidate)
-    meta = {"model": str(model), "baseline": str(base.path), "candidate": str(cand.path), "args": bench_args,
-            "rounds": args.rounds, "reps": args.reps, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if args.json:
-        Path(args.json).write_text(bench.to_json(rows, meta))
-    return table
+    limit = bench_limits.parse_limit_row(args.limit_row) if args.limit_row else None
+    plan = bench.BenchPlan(model=model, bench_args=bench_args, reps=args.reps, discard=args.discard,
+                           rounds=args.rounds, target_ci=args.target_ci, max_seconds=args.max_seconds,
+                           env={"baseline": _env_pairs(args.baseline_env, "--baseline-env"),
+                                "candidate": _env_pairs(args.candidate_env, "--candidate-env")})
+    plan.check()
+    probes = []
+    if args.pcie_bound:
+        probes = [p for p in [bench_limits.run_copy_probe(builds)] if p]
+    meta = {"model": str(model), "baseline": str(builds["baseline"].path), "candidate": str(builds["candidate"].path),
+            "baseline_name": names["baseline"], "candidate_name": names["candidate"], "args": bench_args,
+            "reps": args.reps, "discard": args.discard, "rounds_min": args.rounds, "target_ci": args.target_ci,
+            "max_seconds": args.max_seconds, "env": plan.env, "limit_row": args.limit_row,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def extras(result) -> tuple[dict, dict]:
+        limits = bench_limits.limit_shares(result, *limit) if limit else {}
+        pcie = bench_limits.pcie_columns(result, model, probes) if probes else {}
+        rows = {label: {**limits.get(label, {}), **pcie.get(label, {})} for label in {*limits, *pcie}}
+        return rows, bench_limits.limit_columns(limits, pcie, names)
+
+    def save(result) -> None:  # after every round, so a run cut short keeps what it measured
+        if args.json:
+            bench.write_atomically(Path(args.json), bench.to_json(result, {**meta, "probes": probes},
+                                                                  args.target_ci, extras(result)[0]))
+
+    result = bench.ab_bench(builds, plan, on_round=save)
+    if args.pcie_bound and probes:
+        probes += [p for p in [bench_limits.run_copy_probe(builds)] if p]  # before and after: drift shows
+        save(result)
+    table = bench.format_table(result, names, args.target_ci, extras(result)[1])
+    lines = [table, "", bench.format_noise(result, names), "", f"stopped: {result.stop_reason} ({result.seconds:.0f} s)"]
+    if probes:
+        lines.append("pinned host-to-device bandwidth: " + ", ".join(f"{p['pinned_gbps']:.1f} GB/s" for p in probes)
+                     + f" ({probes[0].get('device')})")
+    if args.target_ci:
+        missed = [label for label, ok in result.converged(args.target_ci).items() if not ok]
+        lines.append(f"not converged to +/-{args.target_ci:.1%}: " + ", ".join(missed) if missed
+                     else f"every interval within +/-{args.target_ci:.1%}")
+    return "\n".join(lines)
 
 
 def cmd_bench(args) -> int:
@@ -114,6 +160,8 @@ def cmd_bench(args) -> int:
 
     if args.bench_args and args.bench_args[0] == "--":
         args.bench_args = args.bench_args[1:]
+    if args.target_ci and args.max_seconds is None:
+        args.max_seconds = DEFAULT_TARGET_SECONDS
     if args.model:
         model = args.model
     else:
@@ -136,7 +184,9 @@ def cmd_demo(args) -> int:
     rc, results, counts = run_compare(args)
     matrix = load_matrix(DEFAULT_MATRIX)
     model = models.ensure_model("qwen3moe", matrix.models["qwen3moe"])
-    args.bench_args, args.rounds, args.reps, args.candidate_env = None, 2, 3, None
+    args.bench_args, args.rounds, args.reps, args.discard = None, 2, 3, 1
+    args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = None
+    args.pcie_bound = False
     print("\nA/B llama-bench on the CPU (ratios only; absolute numbers mean something on the GPU machine):")
     print(run_bench(args, model))
     return rc
@@ -182,7 +232,7 @@ def register(sub) -> None:
     _add_common(p)
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("bench", help="A/B llama-bench of two builds, alternated; ratio of medians per test")
+    p = sub.add_parser("bench", help="A/B llama-bench of two builds in paired rounds; ratio per test with a 95% interval")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path)
     src.add_argument("--synth", help="a model defined in the matrix file (made once, cached)")
@@ -190,11 +240,23 @@ def register(sub) -> None:
     p.add_argument("--baseline", choices=("master", "patched"), default="master")
     p.add_argument("--candidate", choices=("master", "patched"), default="patched")
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--rounds", type=int, default=2, help="alternations of the two builds")
-    p.add_argument("--reps", type=int, default=5, help="llama-bench -r per run")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds of one llama-bench run per build (default 4; with --target-ci: the least number)")
+    p.add_argument("--reps", type=int, default=3, help="llama-bench -r per run (default 3)")
+    p.add_argument("--discard", type=int, default=1,
+                   help="first repetitions of every run dropped as warm-up (default 1)")
+    p.add_argument("--target-ci", type=float, metavar="F",
+                   help="go on until every test's 95%% interval is within +/-F (e.g. 0.03) or --max-seconds is spent")
+    p.add_argument("--max-seconds", type=float, metavar="S",
+                   help="time budget of the rounds (default with --target-ci: 900)")
+    p.add_argument("--limit-row", metavar="FIELD=VALUE",
+                   help="show each row's share of the row that differs only in FIELD (e.g. n_cpu_moe=0: all on the GPU)")
+    p.add_argument("--pcie-bound", action="store_true",
+                   help="show prompt rows' share of the PCIe bound (host bytes per ubatch / pinned bandwidth, probed)")
+    p.add_argument("--baseline-env", action="append", metavar="NAME=VALUE", help="environment for the baseline only")
     p.add_argument("--candidate-env", action="append", metavar="NAME=VALUE", help="environment for the candidate only")
     p.add_argument("--archive-dir", type=Path)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write every sample, interval and setting as JSON (rewritten each round)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then llama-bench arguments "
                    f"(default: {' '.join(DEFAULT_BENCH_ARGS)})")
     _add_common(p)

@@ -1,75 +1,288 @@
-"""`pyllama-moe plot`: an SVG picture of `pyllama-moe bench` results (the JSON of `--json`).
+"""`pyllama-moe plot`: a picture of `pyllama-moe bench` results (the JSON of `--json`), drawn with matplotlib.
 
-One row per test: the baseline and candidate medians as two horizontal bars (t/s, one scale for the whole
-picture), the ratio at the right. Plain SVG text, no plotting library, so it renders in any browser and in a
-repository's file view.
+One row per test, tests of several files stacked in the order given. Left panel: the medians of both builds
+as bars (t/s). Right panel: the ratio candidate/baseline with its interval (a forest plot) against a dashed
+line at 1.0; a point whose interval excludes 1.0 is filled, one whose interval includes it (or that has no
+interval) is hollow. Files of schema 1 (before intervals) still plot, without error bars.
+
+The output format follows the suffix of -o (.svg, .png, .pdf).
 """
 
 from __future__ import annotations
 
 import json
-from html import escape
+import math
+import os
 from pathlib import Path
 
 from pyllama_moe.errors import UserError
 
-ROW, BAR, LABEL_W, BARS_W, RATIO_W = 34, 12, 330, 420, 70
+SCHEMAS = (1, 2)
+FORMATS = ("svg", "png", "pdf")
 COLORS = {"baseline": "#9aa5b1", "candidate": "#2b7bba"}
+NOT_CONVERGED = "#c0392b"
+LOG_SPAN = 20  # medians spanning more than this factor get a log axis, or the slow rows are invisible slivers
+ROW_INCHES, FRAME_INCHES, WIDTH_INCHES = 0.42, 1.9, 13.0
+NOT_BENCH = "is not the JSON of `pyllama-moe bench --json`"
+NOT_BENCH_FIX = "pass the files that bench wrote with --json"
 
 
-def load_tests(paths: list[Path]) -> list[dict]:
-    tests = []
+# --- input -------------------------------------------------------------------------------------------------
+
+def load_tests(paths: list[Path]) -> tuple[list[dict], dict]:
+    """The plottable tests of all files in order, normalized (see `_normalize`), and one meta for them all.
+
+    A test is plottable when both medians are there: a side without kept samples has nothing to draw.
+    """
+    tests, metas = [], []
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text())
-            tests += [t for t in data["tests"] if t.get("median_baseline") and t.get("median_candidate")]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"{path} is not the JSON of `pyllama-moe bench --json` ({exc})",
-                            "pass the files that bench wrote with --json") from exc
+        meta, file_tests = _read_file(Path(path))
+        metas.append(meta)
+        tests += [t for t in file_tests if t["median_baseline"] and t["median_candidate"]]
     if not tests:
-        raise UserError("no test with both medians in " + ", ".join(map(str, paths)), "run `pyllama-moe bench --json F` first")
-    return tests
+        raise UserError("no test with both medians in " + ", ".join(map(str, paths)),
+                        "run `pyllama-moe bench --json F` first")
+    return tests, _merge_meta(paths, metas)
 
 
-def bench_svg(tests: list[dict], title: str = "") -> str:
-    top = 40 if title else 16
-    height = top + ROW * len(tests) + 40
-    width = LABEL_W + BARS_W + RATIO_W + 20
-    scale = BARS_W / max(max(t["median_baseline"], t["median_candidate"]) for t in tests)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{width}" height="{height}" fill="white"/>']
+def _read_file(path: Path) -> tuple[dict, list[dict]]:
+    try:
+        data = json.loads(path.read_text())
+        meta = data.get("meta") or {}
+        if not isinstance(meta, dict) or not isinstance(data["tests"], list):
+            raise TypeError("meta must be an object and tests a list")
+        schema = meta.get("schema", 1)  # schema 1 files have no schema field
+        if schema not in SCHEMAS:
+            raise UserError(f"{path} has schema {schema!r}; this plot knows {SCHEMAS}",
+                            "update pyllama_moe to the version of the bench that wrote it")
+        return meta, [_normalize(t, path) for t in data["tests"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path} {NOT_BENCH} ({exc})", NOT_BENCH_FIX) from exc
+
+
+def _normalize(t: dict, path: Path) -> dict:
+    """One shape for both schemas: every field below is present, None where the file does not say.
+
+    Only what the picture uses is kept (not the samples).
+    """
+    if not isinstance(t.get("test"), str):
+        raise TypeError(f"a test without a label: {str(t)[:80]}")
+    base, cand = _number(t, "median_baseline"), _number(t, "median_candidate")
+    if base is not None and base <= 0 or cand is not None and cand <= 0:
+        base = cand = None  # zero t/s has no ratio and no place on a log axis; treated like a missing side
+    ratio = _number(t, "ratio")
+    if ratio is None and base and cand:
+        ratio = cand / base  # schema 2 leaves it null without pairs; the medians' ratio is the best left
+    low, high = _number(t, "ci_low"), _number(t, "ci_high")
+    if (low is None) != (high is None) or low is not None and low > high:
+        raise ValueError(f"{t['test']}: interval [{low}, {high}] is not an interval")
+    n_pairs = t.get("n_pairs")
+    if n_pairs is not None and n_pairs < 2:
+        low = high = None  # an interval of one pair is not one
+    converged = t.get("converged")
+    if converged not in (None, True, False):
+        raise TypeError(f"{t['test']}: converged is {converged!r}, not true, false or null")
+    return {"test": t["test"], "file": str(path), "median_baseline": base, "median_candidate": cand,
+            "ratio": ratio, "ci_low": low, "ci_high": high, "n_pairs": n_pairs, "converged": converged,
+            "limit": _limit(t.get("limit"), t["test"])}
+
+
+def _limit(limit, label: str) -> dict | None:
+    if limit is None:
+        return None
+    if not isinstance(limit, dict):
+        raise TypeError(f"{label}: limit is {limit!r}, not an object")
+    fields = ("share_candidate", "share_low", "share_high", "share_baseline")
+    out = {"row": limit.get("row"), **{k: _number(limit, k) for k in fields}}
+    return out if out["share_candidate"] is not None else None
+
+
+def _number(d: dict, key: str) -> float | None:
+    value = d.get(key)
+    if value is None:
+        return None
+    # bool is an int to Python, but `true` where a number belongs is a broken file
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key} is {value!r}, not a number")
+    return float(value)
+
+
+def _merge_meta(paths: list[Path], metas: list[dict]) -> dict:
+    """What all files agree on: a legend naming `master` is only true if every file compared master.
+
+    Intervals of different confidence levels or methods in one forest plot would look comparable and are
+    not, so that is refused; files without intervals (schema 1) take no part in the check.
+    """
+    merged = {k: v for k, v in metas[0].items() if all(m.get(k) == v for m in metas[1:])}
+    for key in ("confidence", "method"):
+        given = {str(p): m[key] for p, m in zip(paths, metas) if m.get(key) is not None}
+        values = list(given.values())
+        if any(v != values[0] for v in values[1:]):
+            raise UserError(f"the files have different {key}s: " + ", ".join(f"{p}: {v}" for p, v in given.items()),
+                            "plot them separately")
+        merged.pop(key, None)
+        if given:
+            merged[key] = next(iter(given.values()))
+    return merged
+
+
+# --- the figure --------------------------------------------------------------------------------------------
+
+def bench_figure(tests: list[dict], meta: dict, title: str = ""):
+    """The picture of `tests` (as `load_tests` returns them) as a `matplotlib.figure.Figure`.
+
+    Rows top to bottom in the order of `tests`; row i is at y = i on both panels (the y axis is inverted).
+    No pyplot: the figure holds no global state, so callers may build many.
+    """
+    from matplotlib.figure import Figure
+
+    if not tests:
+        raise ValueError("bench_figure needs at least one test")
+    names = (meta.get("baseline_name") or "baseline", meta.get("candidate_name") or "candidate")
+    fig = Figure(figsize=(WIDTH_INCHES, FRAME_INCHES + ROW_INCHES * len(tests)), layout="constrained")
+    bars, forest = fig.subplots(1, 2, sharey=True, width_ratios=(3, 2))
+    _draw_medians(bars, tests, names)
+    _draw_ratios(forest, tests, names)
+    for ax in (bars, forest):
+        _separate_files(ax, tests)
+    bars.set_yticks(range(len(tests)), [t["test"] for t in tests])
+    bars.set_ylim(len(tests) - 0.5, -0.5)  # first test on top, as in the files
     if title:
-        out.append(f'<text x="10" y="22" font-size="14" font-weight="bold">{escape(title)}</text>')
-    for i, t in enumerate(tests):
-        y = top + i * ROW
-        out.append(f'<text x="{LABEL_W - 8}" y="{y + BAR + 4}" text-anchor="end">{escape(t["test"])}</text>')
-        for k, side in enumerate(("baseline", "candidate")):
-            value = t[f"median_{side}"]
-            out.append(f'<rect x="{LABEL_W}" y="{y + k * BAR}" width="{value * scale:.1f}" height="{BAR - 1}" '
-                       f'fill="{COLORS[side]}"><title>{side}: {value:.1f} t/s</title></rect>')
-        ratio = t["median_candidate"] / t["median_baseline"]
-        out.append(f'<text x="{LABEL_W + BARS_W + 8}" y="{y + BAR + 4}">{ratio:.3f}x</text>')
-    legend_y = top + ROW * len(tests) + 16
-    for k, side in enumerate(("baseline", "candidate")):
-        x = LABEL_W + k * 140
-        out.append(f'<rect x="{x}" y="{legend_y}" width="12" height="12" fill="{COLORS[side]}"/>')
-        out.append(f'<text x="{x + 18}" y="{legend_y + 11}">{side} (median t/s)</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+        fig.suptitle(title)
+    fig.supxlabel(_footnote(tests, meta, names), fontsize="small", color="#555555")
+    return fig
+
+
+def _draw_medians(ax, tests: list[dict], names: tuple[str, str]) -> None:
+    values = [t[f"median_{side}"] for t in tests for side in COLORS]
+    log = max(values) / min(values) > LOG_SPAN
+    # on a log axis a bar cannot start at 0: start all at a power of ten at least 2x below the slowest median,
+    # so its bar stays visible
+    start = 10.0 ** math.floor(math.log10(min(values) / 2)) if log else 0.0
+    for k, (side, name) in enumerate(zip(COLORS, names)):
+        y = [i + (k - 0.5) * 0.4 for i in range(len(tests))]  # baseline above, candidate below
+        width = [t[f"median_{side}"] - start for t in tests]
+        ax.barh(y, width, height=0.38, left=start, color=COLORS[side], label=name)
+        for yi, t in zip(y, tests):
+            ax.text(t[f"median_{side}"], yi, f" {t[f'median_{side}']:.1f}", va="center", fontsize="x-small")
+    # a tenth of the axis past the longest bar, for the value printed after it
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(start, max(values) * (max(values) / start) ** 0.1)
+    else:
+        ax.set_xlim(0, max(values) * 1.1)
+    ax.set_xlabel("median t/s" + (" (log scale)" if log else ""))
+    _legend_above(ax)
+
+
+def _draw_ratios(ax, tests: list[dict], names: tuple[str, str]) -> None:
+    rows = range(len(tests))
+    ax.axvline(1.0, linestyle="--", color="#777777", linewidth=1, gid="ratio-1.0")
+    spans = [(i, t) for i, t in zip(rows, tests) if t["ci_low"] is not None]
+    if spans:
+        ax.hlines([i for i, _ in spans], [t["ci_low"] for _, t in spans], [t["ci_high"] for _, t in spans],
+                  color=COLORS["candidate"], linewidth=2, gid="ratio-interval")
+    excludes = [i for i, t in zip(rows, tests) if _excludes_one(t)]
+    others = [i for i in rows if i not in excludes]
+    marker = {"marker": "o", "linestyle": "none", "markersize": 7, "color": COLORS["candidate"]}
+    if excludes:
+        ax.plot([tests[i]["ratio"] for i in excludes], excludes, gid="ratio-differs",
+                label="interval excludes 1.0", **marker)
+    if others:
+        ax.plot([tests[i]["ratio"] for i in others], others, markerfacecolor="white", gid="ratio-same",
+                label="interval includes 1.0, or none", **marker)
+    for i, t in zip(rows, tests):
+        # y in data, x in axes coordinates: the text column stays right of the panel whatever the ratios
+        ax.text(1.02, i, _row_text(t), transform=ax.get_yaxis_transform(), va="center", fontsize="small",
+                color=NOT_CONVERGED if t["converged"] is False else "black", gid=f"ratio-text-{i}")
+    ax.set_xlabel(f"ratio {names[1]} / {names[0]} (t/s)")
+    ax.tick_params(axis="y", left=False)  # the labels are the left panel's
+    _legend_above(ax)
+
+
+def _legend_above(ax) -> None:
+    # above the panel, not inside: inside it covers the last rows' bars or points
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncols=2, frameon=False, fontsize="small")
+
+
+def _excludes_one(t: dict) -> bool:
+    return t["ci_low"] is not None and (t["ci_low"] > 1.0 or t["ci_high"] < 1.0)
+
+
+def _row_text(t: dict) -> str:
+    if t["ci_low"] is None:
+        text = f"{t['ratio']:.3f} (no interval)"
+    else:
+        text = f"{t['ratio']:.3f} [{t['ci_low']:.3f}, {t['ci_high']:.3f}]"
+    limit = t.get("limit")
+    if limit:
+        text += f"  share of limit {limit['share_candidate']:.2f}"
+        if limit["share_low"] is not None and limit["share_high"] is not None:
+            text += f" [{limit['share_low']:.2f}, {limit['share_high']:.2f}]"
+    if t["converged"] is False:
+        text += "  not converged"
+    return text
+
+
+def _separate_files(ax, tests: list[dict]) -> None:
+    """A thin line where the rows of one file end and the next file's begin."""
+    for i in range(1, len(tests)):
+        if tests[i].get("file") != tests[i - 1].get("file"):
+            ax.axhline(i - 0.5, color="#cccccc", linewidth=0.8)
+
+
+def _footnote(tests: list[dict], meta: dict, names: tuple[str, str]) -> str:
+    parts = [f"bars: median t/s of kept samples; points: ratio {names[1]}/{names[0]}"]
+    if any(t["ci_low"] is not None for t in tests):
+        level = meta.get("confidence")
+        parts.append(f"lines: {level * 100:g}% interval" if level is not None else "lines: interval")
+    if meta.get("method"):
+        parts.append(f"method: {meta['method']}")
+    return "; ".join(parts)
+
+
+# --- output ------------------------------------------------------------------------------------------------
+
+def picture_format(output: Path) -> str:
+    fmt = output.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise UserError(f"{output}: unknown picture format {output.suffix or '(no suffix)'!r}",
+                        "name the output " + ", ".join(f".{f}" for f in FORMATS))
+    return fmt
+
+
+def write_figure(fig, output: Path) -> None:
+    """Save under a temporary name in the same folder, then rename: never a half-written picture at `output`."""
+    from matplotlib import rc_context
+
+    fmt = picture_format(output)
+    if not output.parent.is_dir():
+        raise UserError(f"folder {output.parent} does not exist", "create it or pick another -o")
+    tmp = output.with_name(output.name + ".partial")
+    # text stays text in the SVG (searchable, small), and without a date or random ids it diffs cleanly
+    # when a result picture is committed again
+    rc = {"svg.fonttype": "none", "svg.hashsalt": "pyllama-moe"}
+    metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt)
+    try:
+        with rc_context(rc):
+            fig.savefig(tmp, format=fmt, metadata=metadata, dpi=150)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def cmd_plot(args) -> int:
-    tests = load_tests(args.json)
-    tmp = args.output.with_name(args.output.name + ".partial")
-    tmp.write_text(bench_svg(tests, args.title or ""))
-    tmp.replace(args.output)  # never a half-written picture under the final name
+    picture_format(args.output)  # before reading anything: a wrong -o is the cheapest mistake to report
+    tests, meta = load_tests(args.json)
+    write_figure(bench_figure(tests, meta, args.title or ""), args.output)
     print(f"wrote {args.output} ({len(tests)} tests)")
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plot", help="an SVG bar chart of `pyllama-moe bench --json` results")
+    p = sub.add_parser("plot", help="a picture (.svg, .png, .pdf) of `pyllama-moe bench --json` results")
     p.add_argument("json", nargs="+", type=Path, help="JSON files written by `pyllama-moe bench --json`")
-    p.add_argument("-o", "--output", type=Path, required=True, help="the SVG file to write")
-    p.add_argument("--title", help="a line above the chart")
+    p.add_argument("-o", "--output", type=Path, required=True,
+                   help="the picture to write; its suffix picks the format: " + ", ".join(FORMATS))
+    p.add_argument("--title", help="a line above the picture")
     p.set_defaults(func=cmd_plot)

@@ -60,14 +60,16 @@ def test_runner_refuses_missing_and_truncated_models(patched_build, src, tmp_pat
         runner.run(patched_build, src, runner.RunSpec(model=cut, prompt="x"))
 
 
-def test_bench_reports_a_ratio_per_test(master_build, patched_build, tmp_path):
+def test_bench_reports_a_ratio_with_an_interval_per_test(master_build, patched_build, tmp_path):
     out = tmp_path / "bench.json"
-    proc = _cli("bench", "--synth", "qwen3moe", "--rounds", "2", "--reps", "1", "--json", str(out), "--",
-                "-p", "64", "-n", "4", "-t", "2")
+    proc = _cli("bench", "--synth", "qwen3moe", "--rounds", "2", "--reps", "2", "--discard", "1", "--json", str(out),
+                "--", "-p", "64", "-n", "4", "-t", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| pp64 ub512" in proc.stdout and "| tg4 ub512" in proc.stdout
+    assert "| pp64 ub512" in proc.stdout and "| tg4 ub512" in proc.stdout and "ratio [95% CI]" in proc.stdout
+    assert "CV between processes" in proc.stdout and "stopped: 2 rounds" in proc.stdout
     tests = json.loads(out.read_text())["tests"]
     assert len(tests) == 2
     for t in tests:
-        assert len(t["samples"]["baseline"]) == 2 and len(t["samples"]["candidate"]) == 2  # rounds x reps
-        assert t["ratio"] == pytest.approx(t["median_candidate"] / t["median_baseline"])
+        assert len(t["samples"]) == 2 * 2 * 2  # rounds x builds x reps, the warm-up ones marked
+        assert sum(s["discarded"] for s in t["samples"]) == 4
+        assert t["n_pairs"] == 2 and t["ci_low"] <= t["ratio"] <= t["ci_high"]

@@ -1,50 +1,239 @@
-"""`pyllama-moe plot`: an SVG of bench results, two bars per test on one scale, the ratio beside them."""
+"""`pyllama-moe plot`: medians as bars and the ratio with its interval as a forest plot, drawn with matplotlib."""
 
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
+from pyllama_moe import plot
+from pyllama_moe.cli import main
 from pyllama_moe.errors import UserError
-from pyllama_moe.plot import bench_svg, load_tests
+from pyllama_moe.plot import bench_figure, load_tests
 
-NS = "{http://www.w3.org/2000/svg}"
+META2 = {"schema": 2, "baseline": "/b/master-cuda-1", "candidate": "/b/patched-cuda-2", "baseline_name": "master",
+         "candidate_name": "patched", "confidence": 0.95, "method": "paired t"}
 
 
-def _bench_json(path, tests):
-    path.write_text(json.dumps({"meta": {}, "tests": tests}))
+def _test2(label, base, cand, ratio, low, high, n_pairs=8, converged=None, limit=None):
+    return {"test": label, "median_baseline": base, "median_candidate": cand, "ratio": ratio, "ci_low": low,
+            "ci_high": high, "n_pairs": n_pairs, "converged": converged, "limit": limit, "pcie_bound_ts": None,
+            "pcie_share_candidate": None,
+            "samples": [{"side": "baseline", "round": 0, "invocation": 0, "rep": 0, "ts": base or 1.0, "discarded": True}]}
+
+
+def _schema2(path, tests, **meta):
+    path.write_text(json.dumps({"meta": {**META2, **meta}, "tests": tests}))
     return path
 
 
-def test_svg_bars_scale_and_ratio(tmp_path):
-    f = _bench_json(tmp_path / "b.json", [
-        {"test": "pp4096 ub2048", "median_baseline": 4000.0, "median_candidate": 6000.0},
-        {"test": "tg128", "median_baseline": 40.0, "median_candidate": 42.0},
-        {"test": "skipped: no candidate", "median_baseline": 1.0, "median_candidate": None},
+def _schema1(path, rows):
+    """Like results/bench-gpu-prefetch-final-pp4096.json: no schema, no names, no intervals."""
+    tests = [{"test": label, "median_baseline": b, "median_candidate": c, "ratio": c / b, "spread_baseline": 0.05,
+              "spread_candidate": 0.08, "samples": {"baseline": [b] * 3, "candidate": [c] * 3}} for label, b, c in rows]
+    path.write_text(json.dumps({"meta": {"model": "m.gguf", "baseline": "/b/1", "candidate": "/b/2", "rounds": 2,
+                                         "reps": 5}, "tests": tests}))
+    return path
+
+
+LIMIT = {"row": "pp512 ncmoe0", "share_candidate": 0.93, "share_low": 0.91, "share_high": 0.95, "share_baseline": 0.8}
+
+
+@pytest.fixture
+def mixed(tmp_path):
+    """Four rows that plot (one of each kind of interval) and one that cannot (no candidate sample)."""
+    return _schema2(tmp_path / "s2.json", [
+        _test2("tg128 same", 38.2, 39.0, 1.021, 0.995, 1.048, converged=True),
+        _test2("pp512 faster", 1422.5, 1742.9, 1.225, 1.20, 1.25, converged=False, limit=LIMIT),
+        _test2("tg128 no candidate", 30.0, None, None, None, None, n_pairs=0),
+        _test2("pp512 one pair", 8248.6, 8233.8, 0.998, 0.99, 1.01, n_pairs=1),
+        _test2("pp512 slower", 900.0, 800.0, 0.889, 0.85, 0.93),
     ])
-    svg = ET.fromstring(bench_svg(load_tests([f]), "title & more"))
-    bars = [r for r in svg.iter(f"{NS}rect") if r.find(f"{NS}title") is not None]
-    assert len(bars) == 4  # two per test with both medians
-    widths = [float(b.get("width")) for b in bars]
-    assert widths[1] == max(widths) and abs(widths[0] / widths[1] - 4000 / 6000) < 1e-3  # one scale
-    texts = [t.text for t in svg.iter(f"{NS}text")]
-    assert "1.500x" in texts and "1.050x" in texts and "title & more" in texts
 
 
-def test_plot_cli_writes_atomically_and_refuses_bad_input(tmp_path):
-    f = _bench_json(tmp_path / "b.json", [{"test": "pp512", "median_baseline": 10.0, "median_candidate": 11.0}])
+def _panels(fig):
+    bars, forest = fig.axes[:2]
+    return bars, forest
+
+
+def _by_gid(ax, gid):
+    found = [a for a in ax.get_children() if a.get_gid() == gid]
+    assert len(found) <= 1, gid
+    return found[0] if found else None
+
+
+def _row_texts(forest):
+    return {int(t.get_gid().rsplit("-", 1)[1]): t for t in forest.texts if (t.get_gid() or "").startswith("ratio-text-")}
+
+
+def test_one_row_per_plotted_test_with_its_interval(mixed):
+    tests, meta = load_tests([mixed])
+    fig = bench_figure(tests, meta, "a title")
+    bars, forest = _panels(fig)
+    labels = ["tg128 same", "pp512 faster", "pp512 one pair", "pp512 slower"]
+    assert [t.get_text() for t in bars.get_yticklabels()] == labels
+    assert list(bars.get_yticks()) == [0, 1, 2, 3]
+    assert bars.get_ylim() == (3.5, -0.5)  # first row on top
+    assert forest.get_shared_y_axes().joined(bars, forest)
+    assert fig.get_suptitle() == "a title"
+
+    # the interval lines are exactly [ci_low, ci_high] on the row of their test; one pair gives none
+    segments = [seg.tolist() for seg in _by_gid(forest, "ratio-interval").get_segments()]
+    assert segments == [[[0.995, 0], [1.048, 0]], [[1.20, 1], [1.25, 1]], [[0.85, 3], [0.93, 3]]]
+    ref = _by_gid(forest, "ratio-1.0")
+    assert list(ref.get_xdata()) == [1.0, 1.0] and ref.get_linestyle() == "--"
+
+    # filled where the interval excludes 1.0 (faster and slower), hollow where it includes it or there is none
+    differs, same = _by_gid(forest, "ratio-differs"), _by_gid(forest, "ratio-same")
+    assert list(differs.get_xdata()) == [1.225, 0.889] and list(differs.get_ydata()) == [1, 3]
+    assert list(same.get_xdata()) == [1.021, 0.998] and list(same.get_ydata()) == [0, 2]
+    assert same.get_markerfacecolor() == "white" and differs.get_markerfacecolor() != "white"
+
+
+def test_row_texts_name_interval_limit_share_and_convergence(mixed):
+    bars, forest = _panels(bench_figure(*load_tests([mixed])))
+    texts = _row_texts(forest)
+    assert [texts[i].get_text() for i in range(4)] == [
+        "1.021 [0.995, 1.048]",
+        "1.225 [1.200, 1.250]  share of limit 0.93 [0.91, 0.95]  not converged",
+        "0.998 (no interval)",
+        "0.889 [0.850, 0.930]",
+    ]
+    assert texts[1].get_color() == plot.NOT_CONVERGED and texts[0].get_color() == "black"
+    assert [t.get_text() for t in bars.get_legend().get_texts()] == ["master", "patched"]
+
+
+def test_footnote_has_confidence_and_method(tmp_path, mixed):
+    fig = bench_figure(*load_tests([mixed]))
+    assert "95% interval" in fig.get_supxlabel() and "method: paired t" in fig.get_supxlabel()
+    other = _schema2(tmp_path / "o.json", [_test2("x", 10.0, 11.0, 1.1, 1.05, 1.15)], confidence=0.9, method=None)
+    note = bench_figure(*load_tests([other])).get_supxlabel()
+    assert "90% interval" in note and "method" not in note
+
+
+def test_schema1_plots_without_intervals(tmp_path):
+    f = _schema1(tmp_path / "old.json", [("pp4096 ub2048", 4243.5, 6277.6), ("pp4096 ub4096", 12170.0, 11571.9)])
+    tests, meta = load_tests([f])
+    assert [(t["ratio"], t["ci_low"], t["ci_high"], t["converged"]) for t in tests] == [
+        (pytest.approx(6277.6 / 4243.5), None, None, None), (pytest.approx(11571.9 / 12170.0), None, None, None)]
+    bars, forest = _panels(bench_figure(tests, meta))
+    assert _by_gid(forest, "ratio-interval") is None and _by_gid(forest, "ratio-differs") is None
+    assert [t.get_text() for t in _row_texts(forest).values()] == ["1.479 (no interval)", "0.951 (no interval)"]
+    assert [t.get_text() for t in bars.get_legend().get_texts()] == ["baseline", "candidate"]
+    assert bars.get_xscale() == "linear"  # 4243..12170 is less than a factor 20
+
+
+def test_bars_are_the_medians_on_a_log_axis_when_they_span_much(tmp_path):
+    f = _schema2(tmp_path / "s.json", [_test2("tg", 38.0, 40.0, 1.05, 1.0, 1.1), _test2("pp", 4000.0, 6000.0, 1.5, 1.4, 1.6)])
+    bars, _ = _panels(bench_figure(*load_tests([f])))
+    assert bars.get_xscale() == "log"
+    containers = {c.get_label(): c for c in bars.containers}  # one bar container per build, labelled by its name
+    for name, medians in (("master", [38.0, 4000.0]), ("patched", [40.0, 6000.0])):
+        rects = containers[name].patches
+        assert [r.get_x() + r.get_width() for r in rects] == pytest.approx(medians)
+        assert all(r.get_x() == 10.0 for r in rects)  # a power of ten below the slowest median, not 0
+
+
+def test_files_stack_in_order_and_the_figure_grows_with_rows(tmp_path):
+    a = _schema2(tmp_path / "a.json", [_test2("a1", 10.0, 11.0, 1.1, 1.0, 1.2), _test2("a2", 10.0, 9.0, 0.9, 0.8, 1.0)])
+    b = _schema1(tmp_path / "b.json", [("b1", 20.0, 21.0)])
+    tests, meta = load_tests([b, a])
+    assert [t["test"] for t in tests] == ["b1", "a1", "a2"]
+    assert "baseline_name" not in meta and meta["confidence"] == 0.95  # names: b.json does not say its builds
+    small = bench_figure(*load_tests([b]))
+    big = bench_figure(tests, meta)
+    assert [t.get_text() for t in big.axes[0].get_yticklabels()] == ["b1", "a1", "a2"]
+    assert big.get_size_inches()[1] > small.get_size_inches()[1]
+
+
+def test_files_with_different_confidence_levels_are_refused(tmp_path):
+    a = _schema2(tmp_path / "a.json", [_test2("a1", 10.0, 11.0, 1.1, 1.0, 1.2)])
+    b = _schema2(tmp_path / "b.json", [_test2("b1", 10.0, 11.0, 1.1, 1.0, 1.2)], confidence=0.9)
+    with pytest.raises(UserError, match="different confidences.*plot them separately"):
+        load_tests([a, b])
+
+
+def test_svg_is_written_atomically_and_parses(tmp_path, mixed, monkeypatch, capsys):
     out = tmp_path / "b.svg"
-    proc = subprocess.run([sys.executable, "-m", "pyllama_moe", "plot", str(f), "-o", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0 and out.is_file() and not (tmp_path / "b.svg.partial").exists()
+    real_replace = plot.os.replace
+    seen = {}
+
+    def replace(src, dst):  # at the moment of the rename: complete picture aside, nothing at the final name
+        seen.update(src=src, dst=dst, final_existed=out.exists(), tmp=ET.parse(src).getroot().tag)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(plot.os, "replace", replace)
+    assert main(["plot", str(mixed), "-o", str(out), "--title", "t & more"]) == 0
+    assert seen["dst"] == out and seen["src"] != out and seen["src"].parent == out.parent
+    assert not seen["final_existed"] and seen["tmp"] == "{http://www.w3.org/2000/svg}svg"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.svg", "s2.json"]  # no temporary left
+    texts = {"".join(e.itertext()) for e in ET.parse(out).getroot().iter("{http://www.w3.org/2000/svg}text")}
+    assert {"tg128 same", "pp512 slower", "t & more", "1.021 [0.995, 1.048]"} <= texts  # text stays text
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_a_failed_write_keeps_the_old_picture(tmp_path):
+    out = tmp_path / "b.svg"
+    out.write_text("old picture")
+
+    class Broken:
+        def savefig(self, path, **kw):
+            path.write_text("<svg half")
+            raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        plot.write_figure(Broken(), out)
+    assert out.read_text() == "old picture" and [p.name for p in tmp_path.iterdir()] == ["b.svg"]
+
+
+def _png_size(path):
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_png_and_pdf_follow_the_suffix(tmp_path, mixed):
+    one = _schema1(tmp_path / "one.json", [("x", 10.0, 11.0)])
+    assert main(["plot", str(mixed), "-o", str(tmp_path / "four.png")]) == 0
+    assert main(["plot", str(one), "-o", str(tmp_path / "one.PNG")]) == 0
+    (w4, h4), (w1, h1) = _png_size(tmp_path / "four.png"), _png_size(tmp_path / "one.PNG")
+    assert w4 == w1 and h4 > h1
+    assert main(["plot", str(one), "-o", str(tmp_path / "one.pdf")]) == 0
+    assert (tmp_path / "one.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_unknown_suffix_is_refused_before_anything_is_written(tmp_path, mixed, capsys):
+    assert main(["plot", str(mixed), "-o", str(tmp_path / "b.jpeg")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown picture format '.jpeg'" in err and ".svg, .png, .pdf" in err
+    assert main(["plot", str(mixed), "-o", str(tmp_path / "b")]) == 2
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    proc = subprocess.run([sys.executable, "-m", "pyllama_moe", "plot", str(bad), "-o", str(tmp_path / "c.svg")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "is not the JSON of `pyllama-moe bench --json`" in proc.stderr
-    assert not (tmp_path / "c.svg").exists()
-    with pytest.raises(UserError):
-        load_tests([_bench_json(tmp_path / "empty.json", [])])
+    assert main(["plot", str(bad), "-o", str(tmp_path / "b.jpg")]) == 2
+    assert "unknown picture format '.jpg'" in capsys.readouterr().err  # the suffix is checked first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "s2.json"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pyllama_moe", "plot", *map(str, args)], capture_output=True, text=True)
+
+
+def test_bad_json_and_empty_input_exit_2(tmp_path):
+    out = tmp_path / "c.svg"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    proc = _cli(bad, "-o", out)
+    assert proc.returncode == 2
+    assert f"{bad} is not the JSON of `pyllama-moe bench --json`" in proc.stderr
+    assert "pass the files that bench wrote with --json" in proc.stderr
+    wrong = _schema2(tmp_path / "wrong.json", [_test2("x", "fast", 11.0, 1.1, 1.0, 1.2)])
+    proc = _cli(wrong, "-o", out)
+    assert proc.returncode == 2 and "wrong.json is not the JSON of" in proc.stderr and "'fast'" in proc.stderr
+    empty = _schema2(tmp_path / "empty.json", [_test2("no candidate", 10.0, None, None, None, None, n_pairs=0)])
+    proc = _cli(empty, "-o", out)
+    assert proc.returncode == 2 and f"no test with both medians in {empty}" in proc.stderr
+    assert not out.exists()

@@ -11,11 +11,13 @@ MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
 T0=$SECONDS
 
 start_builds() { # both builds at once, -j 8 each, detached; each writes /tmp/plm-<variant>.rc when it ends
+    # TARGETS_master / TARGETS_patched: comma-separated ninja targets (default: the build verb's)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     for v in master patched; do
         rm -f /tmp/plm-$v.rc
+        targets=$(eval echo "\${TARGETS_$v:-}")
         setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant $v --archive $A/llama.cpp-$v.tar.gz -j 8 \
-            > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
+            ${targets:+--targets $targets} > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
     done
 }
 

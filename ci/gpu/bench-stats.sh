@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 9 on the GPU machine: benchmarks whose intervals can see a 3% difference on decode, on the
+# Qwen3-30B-A3B-shaped Q4_0 model with every expert in host memory.
+#
+# Prepare on the CPU machine (as for prefetch.sh):
+#   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz
+#   pyllama-moe source pack --variant patched -o .work/archives/llama.cpp-patched.tar.gz
+#   cp312 wheels of cffi pycparser gguf diskcache in .whl/ (../shared/docs/gpu-workflow.md)
+# then, carrying .work/archives and .whl, one device call per step:
+#   build     CUDA builds (llama-bench; patched also llama-moe-copy-probe) and the 30B model, detached
+#   study     where decode noise comes from: master against itself, tg128 x threads 8/16 x pinned or not
+#   target    tg128 master vs patched, rounds until the 95% interval is within +/-3%, 300 s at most
+#   planted   patched vs patched with LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 in the candidate: the interval must
+#             exclude 1.0 (and the study's master-vs-master intervals must contain it)
+#   rows      the prefetch rows of issue 4 with intervals: pp4096 ub 2048/4096 and pp512/tg128 with host
+#             experts against all on the GPU (--limit-row), the PCIe bound, mmap against -lm none
+# THREADS sets llama-bench's thread arguments for target, planted and rows (default: what the study chose).
+# Results land in $OUT (or ./gpu-out).
+set -uo pipefail
+step=${1:?usage: bench-stats.sh build|study|target|planted|rows}
+. "$(dirname "$0")/common.sh"
+export TARGETS_master=llama-bench TARGETS_patched=llama-bench,llama-moe-copy-probe
+HOST="-ngl 99 -ncmoe 48 -lm none"
+ALL_CPUS=$(printf '0x%x' $(( (1 << $(nproc)) - 1 )))
+THREADS=${THREADS:--t 16}
+bench() { # $1: seconds at most, then pyllama-moe bench arguments
+    local limit=$1; shift
+    timeout "$limit" python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A "$@"
+}
+
+case $step in
+build)
+    start_builds
+    make_bench_model || exit 1
+    wait_builds ${BUILD_WAIT_S:-560}
+    ;;
+study)
+    wait_builds 60 || exit 1
+    { uname -r; nproc; lscpu | grep -E 'Model name|Thread|Core|Socket|NUMA|Hypervisor|MHz'
+      echo "siblings: $(cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | sort -un | tr '\n' ' ')"
+      free -g | head -2; cat /proc/loadavg
+      nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,pstate --format=csv
+    } 2>&1 | tee "$OUT/machine.txt"
+    # one llama-bench process runs the four thread settings on one loaded model; two rounds of master
+    # against itself give four processes per setting: the noise inside a process and between processes
+    bench 560 --baseline master --candidate master --rounds 2 --reps 3 --discard 1 --json "$OUT/study.json" \
+        -- -p 0 -n 128 $HOST -t 8,16 -C $ALL_CPUS --cpu-strict 0,1 2>&1 | tee "$OUT/study.txt"
+    ;;
+target)
+    wait_builds 60 || exit 1
+    bench 420 --target-ci 0.03 --max-seconds 300 --rounds 3 --reps ${REPS:-2} --discard 1 \
+        --json "$OUT/target-tg128.json" -- -p 0 -n 128 $HOST $THREADS 2>&1 | tee "$OUT/target-tg128.txt"
+    ;;
+planted)
+    wait_builds 60 || exit 1
+    bench 420 --baseline patched --candidate patched --candidate-env LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 \
+        --target-ci 0.03 --max-seconds ${PLANTED_S:-240} --rounds 3 --reps ${REPS:-2} --discard 1 \
+        --json "$OUT/planted-tg128.json" -- -p 0 -n 128 $HOST $THREADS 2>&1 | tee "$OUT/planted-tg128.txt"
+    ;;
+rows)
+    wait_builds 60 || exit 1
+    bench 300 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --limit-row n_cpu_moe=0 --pcie-bound \
+        --json "$OUT/rows-pp4096.json" -- -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none $THREADS \
+        2>&1 | tee "$OUT/rows-pp4096.txt"
+    bench 240 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --limit-row load_mode=none --pcie-bound \
+        --json "$OUT/rows-mmap.json" -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 48 -lm mmap,none $THREADS \
+        2>&1 | tee "$OUT/rows-mmap.txt"
+    ;;
+rows-short)
+    wait_builds 60 || exit 1
+    bench 400 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --limit-row n_cpu_moe=0 \
+        --json "$OUT/rows-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none $THREADS \
+        2>&1 | tee "$OUT/rows-pp512-tg128.txt"
+    ;;
+*)
+    echo "unknown step $step: use build|study|target|planted|rows|rows-short"; exit 2
+    ;;
+esac
+echo "step $step: $((SECONDS - T0)) s"

@@ -1,0 +1,165 @@
+"""What a bench row is measured against: another row of the same run, or the PCIe bound of its host weights.
+
+- `--limit-row n_cpu_moe=0`: each row's limit is the row of the same run whose settings are equal except
+  that field (here: every weight on the GPU). The share is computed per invocation (row and limit come from
+  the same llama-bench process, so they share its placement) and gets an interval like a ratio does.
+- `--pcie-bound`: a prompt row whose host weights are uploaded for every ubatch cannot beat
+  n_prompt / (ubatches * host bytes / pinned host-to-device bandwidth). The bandwidth is measured in the same
+  run by `llama-moe-copy-probe` (built with patched builds), the host bytes are read from the GGUF's tensor
+  directory for the row's `-ncmoe` / `-ngl`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import subprocess
+from pathlib import Path
+
+from pyllama_moe import stats
+from pyllama_moe.bench import SIDES, TEST_FIELDS, BenchResult, BenchRow
+from pyllama_moe.build import Build
+from pyllama_moe.errors import UserError
+from pyllama_moe.progress import say
+
+# llama-bench's short flags, accepted as field names of --limit-row
+FIELD_ALIASES = {"ngl": "n_gpu_layers", "ncmoe": "n_cpu_moe", "ub": "n_ubatch", "b": "n_batch", "lm": "load_mode",
+                 "p": "n_prompt", "n": "n_gen", "t": "n_threads", "d": "n_depth", "fa": "flash_attn"}
+PROBE = "llama-moe-copy-probe"
+# ggml's default GGML_OP_OFFLOAD_MIN_BATCH: below it, host weights are used where they are, not uploaded
+OFFLOAD_MIN_BATCH = 32
+
+
+def parse_limit_row(spec: str) -> tuple[str, str]:
+    name, sep, value = spec.partition("=")
+    field = FIELD_ALIASES.get(name.strip(), name.strip())
+    if not sep or field not in TEST_FIELDS or not value.strip():
+        raise UserError(f"--limit-row {spec!r} is not FIELD=VALUE with a llama-bench field",
+                        "e.g. --limit-row n_cpu_moe=0 (or ncmoe=0); fields: " + ", ".join(TEST_FIELDS))
+    return field, value.strip()
+
+
+def _same_value(a, b: str) -> bool:
+    return str(a).lower() == b.lower()
+
+
+def find_limit(rows: list[BenchRow], row: BenchRow, field: str, value: str) -> BenchRow | None:
+    if _same_value(row.fields.get(field), value):
+        return None  # the row is a limit itself
+    for other in rows:
+        if _same_value(other.fields.get(field), value) and all(
+                other.fields.get(f) == row.fields.get(f) for f in TEST_FIELDS if f != field):
+            return other
+    return None
+
+
+def limit_shares(result: BenchResult, field: str, value: str) -> dict[str, dict]:
+    """Per row label: {"limit": {...}} with each build's share of its own limit row, as an interval."""
+    rows = list(result.rows.values())
+    out = {}
+    for row in rows:
+        limit = find_limit(rows, row, field, value)
+        if limit is None:
+            continue
+        entry: dict = {"row": limit.label}
+        for side in SIDES:
+            mine, theirs = row.block_means(side), limit.block_means(side)
+            iv = stats.paired_ratio_interval([(theirs[r], mine[r]) for r in sorted(mine) if r in theirs])
+            entry[f"share_{side}"] = iv.ratio if iv else None
+            entry[f"share_{side}_low"] = iv.low if iv else None
+            entry[f"share_{side}_high"] = iv.high if iv else None
+        # the names plot and readers expect for the candidate's interval
+        entry["share_low"], entry["share_high"] = entry["share_candidate_low"], entry["share_candidate_high"]
+        out[row.label] = {"limit": entry}
+    return out
+
+
+def host_upload_bytes(model: Path, n_cpu_moe: int, n_gpu_layers: int) -> int:
+    """Bytes of matrix weights in host memory that a large ubatch uploads: the experts of the first
+    `n_cpu_moe` layers, every matrix of the layers `-ngl` leaves on the CPU (llama.cpp counts the output layer
+    as one of the `-ngl` layers), and the output matrix when `-ngl 0`."""
+    from pyllama_moe.synth.gguf_read import read_gguf
+
+    info = read_gguf(model, check_data=False)
+    n_layer = int(info.arch_key("block_count", 0))
+    first_gpu_layer = max(0, n_layer + 1 - n_gpu_layers)
+    total = 0
+    for name, tensor in info.tensors.items():
+        if len(tensor.shape) < 2 or name == "token_embd.weight":  # vectors and row lookups are not uploaded
+            continue
+        match = re.match(r"blk\.(\d+)\.", name)
+        if match is None:
+            total += tensor.nbytes if n_gpu_layers == 0 else 0
+            continue
+        layer = int(match.group(1))
+        if layer < first_gpu_layer or (layer < n_cpu_moe and "_exps" in name):
+            total += tensor.nbytes
+    return total
+
+
+def pcie_bound(fields: dict, host_bytes: int, gbps: float) -> float | None:
+    """Tokens/s a prompt row cannot beat when every ubatch uploads `host_bytes` at `gbps`; None where no bound
+    applies (decode rows compute host weights on the CPU; small ubatches and all-on-GPU rows upload nothing)."""
+    n_prompt, n_gen = fields.get("n_prompt") or 0, fields.get("n_gen") or 0
+    ubatch = min(fields.get("n_ubatch") or n_prompt, fields.get("n_batch") or n_prompt)
+    if not n_prompt or n_gen or not host_bytes or ubatch < OFFLOAD_MIN_BATCH or gbps <= 0:
+        return None
+    ubatches = math.ceil(n_prompt / ubatch)
+    return n_prompt / (ubatches * host_bytes / (gbps * 1e9))
+
+
+def run_copy_probe(builds: dict[str, Build], mib: int = 512) -> dict | None:
+    """The pinned host-to-device bandwidth of the first GPU, from whichever build has the probe; None (and a
+    line saying why) when neither has it or no GPU is there."""
+    for side in ("candidate", "baseline"):
+        exe = builds[side].bin_dir / PROBE
+        if exe.is_file():
+            break
+    else:
+        say(f"pcie bound: neither build has {PROBE} (it is built with patched builds): no bound column")
+        return None
+    proc = subprocess.run([str(exe), "--mib", str(mib), "--reps", "10"], capture_output=True, text=True)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    found = [d for d in lines if d.get("pinned_gbps")]
+    if proc.returncode != 0 or not found:
+        say(f"pcie bound: {PROBE} measured no pinned bandwidth (exit {proc.returncode}): "
+            + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+        return None
+    return found[0]
+
+
+def pcie_columns(result: BenchResult, model: Path, probes: list[dict]) -> dict[str, dict]:
+    """Per row label: the bound in t/s and each build's share of it (median over its kept samples)."""
+    gbps = statistics.fmean(p["pinned_gbps"] for p in probes)
+    cache: dict[tuple, int] = {}
+    out = {}
+    for row in result.rows.values():
+        placement = (row.fields.get("n_cpu_moe") or 0, row.fields.get("n_gpu_layers") or 0)
+        if placement not in cache:
+            cache[placement] = host_upload_bytes(model, *placement)
+        bound = pcie_bound(row.fields, cache[placement], gbps)
+        if bound is None:
+            continue
+        medians = {side: row.median(side) for side in SIDES}
+        out[row.label] = {"pcie_bound_ts": bound, "pcie_host_bytes": cache[placement], "pcie_gbps": gbps,
+                          **{f"pcie_share_{side}": (m / bound if m else None) for side, m in medians.items()}}
+    return out
+
+
+def limit_columns(limits: dict[str, dict], pcie: dict[str, dict], names: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Table cells for the limit and PCIe columns (label -> column -> text)."""
+    cells: dict[str, dict[str, str]] = {}
+    for label, data in limits.items():
+        lim = data["limit"]
+        if lim.get("share_candidate") is None:
+            continue
+        span = (f" [{lim['share_low']:.3f}, {lim['share_high']:.3f}]" if lim.get("share_low") is not None else "")
+        base = f"; {names['baseline']} {lim['share_baseline']:.3f}" if lim.get("share_baseline") else ""
+        cells.setdefault(label, {})["share of limit"] = f"{lim['share_candidate']:.3f}{span}{base}"
+    for label, data in pcie.items():
+        share = data.get("pcie_share_candidate")
+        cells.setdefault(label, {})["PCIe bound t/s"] = f"{data['pcie_bound_ts']:.0f}"
+        cells[label]["share of PCIe bound"] = f"{share:.3f}" if share is not None else ""
+    return cells
