@@ -28,6 +28,7 @@ from pyllama_moe.progress import say
 FIELD_ALIASES = {"ngl": "n_gpu_layers", "ncmoe": "n_cpu_moe", "ub": "n_ubatch", "b": "n_batch", "lm": "load_mode",
                  "p": "n_prompt", "n": "n_gen", "t": "n_threads", "d": "n_depth", "fa": "flash_attn"}
 PROBE = "llama-moe-copy-probe"
+BENCH_TARGETS = {"master": ("llama-bench",), "patched": ("llama-bench", PROBE)}
 # ggml's default GGML_OP_OFFLOAD_MIN_BATCH: below it, host weights are used where they are, not uploaded
 OFFLOAD_MIN_BATCH = 32
 

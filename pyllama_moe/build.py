@@ -30,6 +30,7 @@ from pyllama_moe.trees import Tree
 STAMP_NAME = "pyllama-moe-stamp.json"
 BACKENDS = ("cpu", "cuda")
 DEFAULT_TARGETS = ("llama", "llama-bench", "llama-perplexity", "llama-completion", "test-backend-ops")
+PATCHED_ONLY_TARGETS = ("llama-moe-copy-probe",)  # tools the patch series adds (bench --pcie-bound)
 COMMON_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF", "-DGGML_CCACHE=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=ON",
@@ -38,14 +39,22 @@ COMMON_OPTIONS = (
 CUDA_OPTIONS = ("-DGGML_CUDA=ON", "-DGGML_CUDA_FA_QUANTS=f16-f16", "-DGGML_CUDA_NCCL=OFF")
 
 
+def default_targets(variant: str) -> tuple[str, ...]:
+    return DEFAULT_TARGETS + (PATCHED_ONLY_TARGETS if variant == "patched" else ())
+
+
 @dataclass
 class BuildSpec:
     tree: Tree
     backend: str = "cpu"
     cuda_arch: str = "90-real"
     extra_options: tuple[str, ...] = ()
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] | None = None  # None: default_targets(variant)
     jobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.targets is None:
+            self.targets = default_targets(self.tree.variant)
 
     def options(self) -> list[str]:
         opts = list(COMMON_OPTIONS)

@@ -70,9 +70,9 @@ def cmd_patches(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from pyllama_moe.build import DEFAULT_TARGETS, resolve
+    from pyllama_moe.build import resolve
 
-    targets = tuple(args.targets.split(",")) if args.targets else DEFAULT_TARGETS
+    targets = tuple(args.targets.split(",")) if args.targets else None
     extra = tuple(args.cmake_arg or ())
     built = resolve(args.variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, archive=args.archive,
                     targets=targets, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_options=extra)

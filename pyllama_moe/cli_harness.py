@@ -104,10 +104,12 @@ def run_bench(args, model: Path) -> str:
     from pyllama_moe import bench, bench_limits
     from pyllama_moe.build import resolve
 
-    kw = dict(sdist=args.sdist, llama_src=args.llama_src, make=not args.no_build)
-    archive = lambda v: (args.archive_dir / f"llama.cpp-{v}.tar.gz") if args.archive_dir else None  # noqa: E731
-    builds = {"baseline": resolve(args.baseline, args.backend, archive=archive(args.baseline), **kw),
-              "candidate": resolve(args.candidate, args.backend, archive=archive(args.candidate), **kw)}
+    def build(variant: str):  # only the tools bench runs, so a bench-only build dir is enough
+        return resolve(variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, make=not args.no_build,
+                       archive=(args.archive_dir / f"llama.cpp-{variant}.tar.gz") if args.archive_dir else None,
+                       targets=bench_limits.BENCH_TARGETS[variant])
+
+    builds = {"baseline": build(args.baseline), "candidate": build(args.candidate)}
     names = {"baseline": args.baseline, "candidate": args.candidate}
     if args.baseline == args.candidate:
         names = {"baseline": f"{args.baseline} (A)", "candidate": f"{args.candidate} (B)"}

@@ -6,3 +6,8 @@
 // the host-weight prefetch settings a new context starts from: process default (llama-moe.h setter or a
 // llama.cpp flag), else the environment, else ggml's built-in values
 ggml_backend_sched_prefetch_params llama_moe_prefetch_context_defaults();
+
+// LLAMA_MOE_DEBUG_SLOWDOWN_PCT=N (read once): at the end of each compute cycle (first decode after a
+// synchronization up to the next synchronization), wait N% of the cycle's time. A planted loss for testing
+// that benchmark statistics see a small slowdown; never for use. Unset or 0: returns at once.
+void llama_moe_debug_slowdown(int64_t cycle_us);

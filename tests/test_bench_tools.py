@@ -1,0 +1,84 @@
+"""The native pieces `pyllama-moe bench` relies on, on the CPU builds: the copy probe (on SIM), the planted
+slowdown knob, and the host bytes behind the PCIe bound. No timing is asserted: only that each piece runs,
+reports what it measured in the agreed shape, and is read from the right tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from gguf import GGUFReader
+
+from pyllama_moe import bench_limits, models
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
+
+pytestmark = pytest.mark.build
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+def _env_without_sim(**extra) -> dict:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_DEBUG"))}, **extra}
+
+
+def test_copy_probe_measures_the_simulated_device(patched_build):
+    exe = patched_build.tool(bench_limits.PROBE)
+    proc = subprocess.run([str(exe), "--mib", "8", "--reps", "3"], capture_output=True, text=True,
+                          env=_env_without_sim(GGML_SIM_DEVICES="2"))
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [d["device"] for d in lines] == ["SIM0", "SIM1"]
+    for d in lines:
+        assert d["bytes"] == 8 << 20 and d["reps"] == 3
+        assert 0 < d["pinned_min_gbps"] <= d["pinned_gbps"] <= d["pinned_max_gbps"]
+        assert d["pageable_gbps"] > 0
+    none = subprocess.run([str(exe)], capture_output=True, text=True, env=_env_without_sim())
+    assert none.returncode == 1 and "no GPU device registered" in none.stderr and none.stdout == ""
+
+
+def test_bench_takes_the_probe_from_the_build_that_has_it(patched_build, master_build, monkeypatch):
+    monkeypatch.setenv("GGML_SIM_DEVICES", "1")
+    found = bench_limits.run_copy_probe({"baseline": master_build, "candidate": patched_build}, mib=8)
+    assert found["device"] == "SIM0" and found["pinned_gbps"] > 0
+    monkeypatch.delenv("GGML_SIM_DEVICES")
+    assert bench_limits.run_copy_probe({"baseline": master_build, "candidate": master_build}) is None
+
+
+def test_host_bytes_are_the_offloaded_matrices(tiny_model):
+    reader = GGUFReader(tiny_model)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    n_layer = max(int(m.group(1)) for name in sizes if (m := re.match(r"blk\.(\d+)\.", name))) + 1
+
+    def layer(name):
+        m = re.match(r"blk\.(\d+)\.", name)
+        return int(m.group(1)) if m else None
+
+    experts_of_first_two = sum(n for name, n in sizes.items() if "_exps" in name and layer(name) < 2)
+    assert experts_of_first_two > 0
+    assert bench_limits.host_upload_bytes(tiny_model, n_cpu_moe=2, n_gpu_layers=99) == experts_of_first_two
+    assert bench_limits.host_upload_bytes(tiny_model, n_cpu_moe=0, n_gpu_layers=99) == 0
+    # -ngl n_layer leaves layer 0 on the CPU (llama.cpp counts the output layer among the -ngl layers)
+    dims = {t.name: len(t.shape) for t in reader.tensors}
+    layer0 = sum(n for name, n in sizes.items() if layer(name) == 0 and dims[name] >= 2)
+    assert bench_limits.host_upload_bytes(tiny_model, n_cpu_moe=0, n_gpu_layers=n_layer) == layer0
+
+
+def test_planted_slowdown_knob_is_read_once_and_logged(patched_build, tiny_model):
+    def bench(value):
+        env = _env_without_sim() if value is None else _env_without_sim(LLAMA_MOE_DEBUG_SLOWDOWN_PCT=value)
+        proc = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-p", "0", "-n", "2",
+                               "-r", "1", "-t", "2", "-v"], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stderr
+
+    planted = bench("5")
+    assert planted.count("LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5: every compute is made 5% slower") == 1
+    assert "LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5000 ignored" in bench("5000")
+    assert "LLAMA_MOE_DEBUG_SLOWDOWN_PCT" not in bench(None)
