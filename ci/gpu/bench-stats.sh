@@ -14,21 +14,50 @@
 #             exclude 1.0 (and the study's master-vs-master intervals must contain it)
 #   rows      the prefetch rows of issue 4 with intervals: pp4096 ub 2048/4096 and pp512/tg128 with host
 #             experts against all on the GPU (--limit-row), the PCIe bound, mmap against -lm none
-# THREADS sets llama-bench's thread arguments for target, planted and rows (default: what the study chose).
-# Results land in $OUT (or ./gpu-out).
+#   rows-short  pp512 and tg128 with host experts against all on the GPU
+# or all of them as one detached pipeline that keeps the GPU busy between device calls, repeating
+#   follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (570)
+# back to back until it prints "pipeline finished" (a machine is given back 30 s after a call).
+# THREADS sets llama-bench's thread arguments of target, planted and rows; the pipeline takes them from the
+# study (ci/gpu/pick_threads.py). Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: bench-stats.sh build|study|target|planted|rows}
+step=${1:?usage: bench-stats.sh build|study|target|planted|rows|rows-short|all|follow}
 . "$(dirname "$0")/common.sh"
+PIPE=/tmp/plm-bench-pipeline
 export TARGETS_master=llama-bench TARGETS_patched=llama-bench,llama-moe-copy-probe
 HOST="-ngl 99 -ncmoe 48 -lm none"
 ALL_CPUS=$(printf '0x%x' $(( (1 << $(nproc)) - 1 )))
-THREADS=${THREADS:--t 16}
+THREADS=${THREADS:-$(cat $PIPE/threads.txt 2>/dev/null || echo -t 16)}
 bench() { # $1: seconds at most, then pyllama-moe bench arguments
     local limit=$1; shift
     timeout "$limit" python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A "$@"
 }
 
 case $step in
+follow)
+    if [ ! -f $PIPE.pid ]; then
+        mkdir -p $PIPE
+        setsid env OUT=$PIPE bash -c "bash $0 all > $PIPE/pipeline.log 2>&1; echo \$? > $PIPE/pipeline.rc" \
+            > /dev/null 2>&1 < /dev/null &
+        echo $! > $PIPE.pid
+        echo "pipeline started"
+    fi
+    while [ ! -f $PIPE/pipeline.rc ] && [ $((SECONDS - T0)) -lt "${FOLLOW_S:-570}" ]; do sleep 5; done
+    tar czf "$OUT/pipeline.tgz" -C $PIPE . && cp $PIPE/pipeline.log "$OUT/"
+    tail -60 $PIPE/pipeline.log
+    [ -f $PIPE/pipeline.rc ] && echo "pipeline finished: exit $(cat $PIPE/pipeline.rc)"
+    ;;
+all)
+    # most important first: a call that runs out of device time leaves the later steps undone, not half-read
+    BUILD_WAIT_S=1200 bash "$0" build || exit 1
+    bash "$0" study || exit 1
+    python3 ci/gpu/pick_threads.py "$OUT/study.json" > "$OUT/threads.txt" || exit 1
+    echo "threads for the A/B runs: $(cat "$OUT/threads.txt")"
+    for s in target planted rows rows-short; do
+        echo "== step $s ($((SECONDS - T0)) s)"
+        THREADS="$(cat "$OUT/threads.txt")" bash "$0" $s
+    done
+    ;;
 build)
     start_builds
     make_bench_model || exit 1
@@ -54,21 +83,21 @@ target)
 planted)
     wait_builds 60 || exit 1
     bench 420 --baseline patched --candidate patched --candidate-env LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 \
-        --target-ci 0.03 --max-seconds ${PLANTED_S:-240} --rounds 3 --reps ${REPS:-2} --discard 1 \
+        --target-ci 0.03 --max-seconds ${PLANTED_S:-180} --rounds 3 --reps ${REPS:-2} --discard 1 \
         --json "$OUT/planted-tg128.json" -- -p 0 -n 128 $HOST $THREADS 2>&1 | tee "$OUT/planted-tg128.txt"
     ;;
 rows)
     wait_builds 60 || exit 1
-    bench 300 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --limit-row n_cpu_moe=0 --pcie-bound \
+    bench 300 --rounds ${ROUNDS:-3} --reps 3 --discard 1 --limit-row n_cpu_moe=0 --pcie-bound \
         --json "$OUT/rows-pp4096.json" -- -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none $THREADS \
         2>&1 | tee "$OUT/rows-pp4096.txt"
-    bench 240 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --limit-row load_mode=none --pcie-bound \
+    bench 240 --rounds ${ROUNDS:-3} --reps 3 --discard 1 --limit-row load_mode=none --pcie-bound \
         --json "$OUT/rows-mmap.json" -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 48 -lm mmap,none $THREADS \
         2>&1 | tee "$OUT/rows-mmap.txt"
     ;;
 rows-short)
     wait_builds 60 || exit 1
-    bench 400 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --limit-row n_cpu_moe=0 \
+    bench 400 --rounds ${ROUNDS:-3} --reps 3 --discard 1 --limit-row n_cpu_moe=0 \
         --json "$OUT/rows-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none $THREADS \
         2>&1 | tee "$OUT/rows-pp512-tg128.txt"
     ;;
