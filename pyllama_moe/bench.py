@@ -93,6 +93,7 @@ class BenchPlan:
     reps: int = 3
     discard: int = 1
     rounds: int = 4  # without target_ci: the number of rounds; with it: the least number
+    warmup_rounds: int = 0  # rounds run first and left out of every statistic (a machine that sat idle)
     target_ci: float | None = None  # relative half-width every test's interval must reach, e.g. 0.03
     max_seconds: float | None = None  # time budget of the rounds (a round that would not fit is not started)
     confidence: float = stats.CONFIDENCE
@@ -104,8 +105,9 @@ class BenchPlan:
         if self.reps < 1 or not 0 <= self.discard < self.reps:
             raise UserError(f"--reps {self.reps} with --discard {self.discard} keeps no repetition",
                             "use --reps greater than --discard (e.g. --reps 3 --discard 1)")
-        if self.rounds < 1:
-            raise UserError(f"--rounds {self.rounds}", "use at least one round")
+        if self.rounds < 1 or self.warmup_rounds < 0:
+            raise UserError(f"--rounds {self.rounds} --warmup-rounds {self.warmup_rounds}",
+                            "use at least one round and no negative number of warm-up rounds")
         if self.target_ci is not None and not 0 < self.target_ci < 1:
             raise UserError(f"--target-ci {self.target_ci} is not a relative half-width",
                             "give a fraction such as 0.03 (for +/- 3%)")
@@ -171,29 +173,55 @@ def _add_invocation(result: BenchResult, entries: list[dict], side: str, rnd: in
             row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard))
 
 
-def ab_bench(builds: dict[str, Build], plan: BenchPlan,
-             on_round: Callable[[BenchResult], None] | None = None) -> BenchResult:
-    """Rounds of one llama-bench invocation per build until the plan says stop; `on_round` sees each round."""
-    plan.check()
+# A round runner measures one round: given the order of the sides, it returns per side the llama-bench-shaped
+# JSON entries of that round (one per test, with "samples_ts") and the seconds the side took.
+RoundRunner = Callable[[tuple[str, ...]], dict[str, tuple[list[dict], float]]]
+
+
+def llama_bench_rounds(builds: dict[str, Build], plan: BenchPlan) -> RoundRunner:
+    """One llama-bench process per build and round, one after the other in the round's order."""
     args = ["-m", str(plan.model), "-r", str(plan.reps), *plan.bench_args]
+
+    def run(order: tuple[str, ...]) -> dict[str, tuple[list[dict], float]]:
+        out = {}
+        for side in order:
+            t0 = time.monotonic()
+            entries = run_llama_bench(builds[side], args, plan.env.get(side))
+            out[side] = (entries, time.monotonic() - t0)
+        return out
+
+    return run
+
+
+def ab_bench(builds: dict[str, Build], plan: BenchPlan, on_round: Callable[[BenchResult], None] | None = None,
+             runner: RoundRunner | None = None) -> BenchResult:
+    """Rounds until the plan says stop (default runner: one llama-bench process per build and round);
+    `on_round` sees the result after each measured round."""
+    plan.check()
+    run_round = runner or llama_bench_rounds(builds, plan)
     result = BenchResult()
     started = time.monotonic()
     rnd = 0
     while True:
+        warmup = rnd < plan.warmup_rounds
         order = SIDES if rnd % 2 == 0 else SIDES[::-1]
-        seconds = {}
+        measured = run_round(order)
         for side in order:
-            t0 = time.monotonic()
-            entries = run_llama_bench(builds[side], args, plan.env.get(side))
-            seconds[side] = round(time.monotonic() - t0, 2)
-            _add_invocation(result, entries, side, rnd, 2 * rnd + order.index(side), plan.discard)
-        result.rounds.append({"round": rnd, "order": list(order), "seconds": seconds})
-        result.seconds = time.monotonic() - started
+            entries, _ = measured[side]
+            _add_invocation(result, entries, side, rnd, 2 * rnd + order.index(side), plan.reps if warmup else plan.discard)
+        result.rounds.append({"round": rnd, "order": list(order), "warmup": warmup,
+                              "seconds": {side: round(measured[side][1], 2) for side in order}})
         rnd += 1
-        say(f"round {rnd}: " + "; ".join(_round_note(row) for row in result.rows.values()))
+        if warmup:
+            say(f"warm-up round {rnd}/{plan.warmup_rounds} done (left out of the statistics)")
+            started = time.monotonic()  # the time budget is for measured rounds
+            continue
+        result.seconds = time.monotonic() - started
+        done = rnd - plan.warmup_rounds
+        say(f"round {done}: " + "; ".join(_round_note(row) for row in result.rows.values()))
         if on_round:
             on_round(result)
-        reason = _stop_reason(result, plan, rnd)
+        reason = _stop_reason(result, plan, done)
         if reason:
             result.stop_reason = reason
             return result
@@ -222,7 +250,8 @@ def _stop_reason(result: BenchResult, plan: BenchPlan, done: int) -> str:
 
 
 def _last_round_seconds(result: BenchResult) -> float:
-    return sum(result.rounds[-1]["seconds"].values()) if result.rounds else 0.0
+    measured = [r for r in result.rounds if not r.get("warmup")]
+    return sum(measured[-1]["seconds"].values()) if measured else 0.0
 
 
 def _pct(x: float | None) -> str:

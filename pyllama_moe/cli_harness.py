@@ -116,7 +116,8 @@ def run_bench(args, model: Path) -> str:
     bench_args = args.bench_args or DEFAULT_BENCH_ARGS
     limit = bench_limits.parse_limit_row(args.limit_row) if args.limit_row else None
     plan = bench.BenchPlan(model=model, bench_args=bench_args, reps=args.reps, discard=args.discard,
-                           rounds=args.rounds, target_ci=args.target_ci, max_seconds=args.max_seconds,
+                           rounds=args.rounds, warmup_rounds=args.warmup_rounds, target_ci=args.target_ci,
+                           max_seconds=args.max_seconds,
                            env={"baseline": _env_pairs(args.baseline_env, "--baseline-env"),
                                 "candidate": _env_pairs(args.candidate_env, "--candidate-env")})
     plan.check()
@@ -125,8 +126,9 @@ def run_bench(args, model: Path) -> str:
         probes = [p for p in [bench_limits.run_copy_probe(builds)] if p]
     meta = {"model": str(model), "baseline": str(builds["baseline"].path), "candidate": str(builds["candidate"].path),
             "baseline_name": names["baseline"], "candidate_name": names["candidate"], "args": bench_args,
-            "reps": args.reps, "discard": args.discard, "rounds_min": args.rounds, "target_ci": args.target_ci,
-            "max_seconds": args.max_seconds, "env": plan.env, "limit_row": args.limit_row,
+            "reps": args.reps, "discard": args.discard, "rounds_min": args.rounds, "warmup_rounds": args.warmup_rounds,
+            "target_ci": args.target_ci,
+            "max_seconds": args.max_seconds, "env": plan.env, "limit_row": args.limit_row, "paced": args.paced,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def extras(result) -> tuple[dict, dict]:
@@ -140,7 +142,12 @@ def run_bench(args, model: Path) -> str:
             bench.write_atomically(Path(args.json), bench.to_json(result, {**meta, "probes": probes},
                                                                   args.target_ci, extras(result)[0]))
 
-    result = bench.ab_bench(builds, plan, on_round=save)
+    runner = None
+    if args.paced:
+        from pyllama_moe import bench_paced
+
+        runner = bench_paced.paced_rounds(builds, plan)
+    result = bench.ab_bench(builds, plan, on_round=save, runner=runner)
     if args.pcie_bound and probes:
         probes += [p for p in [bench_limits.run_copy_probe(builds)] if p]  # before and after: drift shows
         save(result)
@@ -186,9 +193,9 @@ def cmd_demo(args) -> int:
     rc, results, counts = run_compare(args)
     matrix = load_matrix(DEFAULT_MATRIX)
     model = models.ensure_model("qwen3moe", matrix.models["qwen3moe"])
-    args.bench_args, args.rounds, args.reps, args.discard = None, 2, 3, 1
+    args.bench_args, args.rounds, args.reps, args.discard, args.warmup_rounds = None, 2, 3, 1, 0
     args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = None
-    args.pcie_bound = False
+    args.pcie_bound = args.paced = False
     print("\nA/B llama-bench on the CPU (ratios only; absolute numbers mean something on the GPU machine):")
     print(run_bench(args, model))
     return rc
@@ -245,12 +252,18 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=4,
                    help="rounds of one llama-bench run per build (default 4; with --target-ci: the least number)")
     p.add_argument("--reps", type=int, default=3, help="llama-bench -r per run (default 3)")
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="rounds run first and left out (default 1: on the GPU machine the first process of a run "
+                        "after idle time is 3-10%% slow)")
     p.add_argument("--discard", type=int, default=1,
                    help="first repetitions of every run dropped as warm-up (default 1)")
     p.add_argument("--target-ci", type=float, metavar="F",
                    help="go on until every test's 95%% interval is within +/-F (e.g. 0.03) or --max-seconds is spent")
     p.add_argument("--max-seconds", type=float, metavar="S",
                    help="time budget of the rounds (default with --target-ci: 900)")
+    p.add_argument("--paced", action="store_true",
+                   help="both builds loaded at once per round, repetitions alternating (one test; tools/paced-bench "
+                        "instead of llama-bench; needs memory for two copies of the model)")
     p.add_argument("--limit-row", metavar="FIELD=VALUE",
                    help="show each row's share of the row that differs only in FIELD (e.g. n_cpu_moe=0: all on the GPU)")
     p.add_argument("--pcie-bound", action="store_true",

@@ -271,8 +271,45 @@ def write_figure(fig, output: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def samples_figure(path: Path, title: str = ""):
+    """Every sample of one schema-2 run in the order it was measured, one panel per test: shows what a ratio
+    hides (a machine warming up, drift, one slow process) and which samples the statistics left out."""
+    from matplotlib.figure import Figure
+
+    meta, _ = _read_file(path)  # refuses what is not a bench file, with the usual message
+    tests = [t for t in json.loads(path.read_text())["tests"] if isinstance(t.get("samples"), list) and t["samples"]]
+    if meta.get("schema") != 2 or not tests:
+        raise UserError(f"{path} has no per-sample records (schema 2)", "pass a file that bench wrote with --json")
+    names = (meta.get("baseline_name") or "baseline", meta.get("candidate_name") or "candidate")
+    fig = Figure(figsize=(10, 2.4 * len(tests) + 0.8), layout="constrained")
+    axes = fig.subplots(len(tests), 1, squeeze=False)[:, 0]
+    for ax, test in zip(axes, tests):
+        for side, name in zip(("baseline", "candidate"), names):
+            for discarded in (False, True):
+                pts = [(s["invocation"] + s["rep"] / (1 + max(x["rep"] for x in test["samples"])), s["ts"])
+                       for s in test["samples"] if s["side"] == side and bool(s["discarded"]) == discarded]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, "o", color=COLORS[side], mfc="none" if discarded else COLORS[side],
+                            label=f"{name}{' (left out)' if discarded else ''}")
+        ax.set_title(test["test"], fontsize=9, loc="left")
+        ax.set_ylabel("t/s")
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("process (llama-bench run or paced round side) in the order measured")
+    axes[0].legend(fontsize=8, ncols=4, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
 def cmd_plot(args) -> int:
     picture_format(args.output)  # before reading anything: a wrong -o is the cheapest mistake to report
+    if args.samples:
+        if len(args.json) != 1:
+            raise UserError("--samples draws one run", "pass one JSON file")
+        write_figure(samples_figure(args.json[0], args.title or ""), args.output)
+        print(f"wrote {args.output} (samples of {args.json[0]})")
+        return 0
     tests, meta = load_tests(args.json)
     write_figure(bench_figure(tests, meta, args.title or ""), args.output)
     print(f"wrote {args.output} ({len(tests)} tests)")
@@ -285,4 +322,6 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="the picture to write; its suffix picks the format: " + ", ".join(FORMATS))
     p.add_argument("--title", help="a line above the picture")
+    p.add_argument("--samples", action="store_true",
+                   help="draw every sample of one run in the order measured instead of the ratios")
     p.set_defaults(func=cmd_plot)

@@ -62,8 +62,8 @@ def test_runner_refuses_missing_and_truncated_models(patched_build, src, tmp_pat
 
 def test_bench_reports_a_ratio_with_an_interval_per_test(master_build, patched_build, tmp_path):
     out = tmp_path / "bench.json"
-    proc = _cli("bench", "--synth", "qwen3moe", "--rounds", "2", "--reps", "2", "--discard", "1", "--json", str(out),
-                "--", "-p", "64", "-n", "4", "-t", "2")
+    proc = _cli("bench", "--synth", "qwen3moe", "--rounds", "2", "--warmup-rounds", "0", "--reps", "2", "--discard", "1",
+                "--json", str(out), "--", "-p", "64", "-n", "4", "-t", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| pp64 ub512" in proc.stdout and "| tg4 ub512" in proc.stdout and "ratio [95% CI]" in proc.stdout
     assert "CV between processes" in proc.stdout and "stopped: 2 rounds" in proc.stdout

@@ -237,3 +237,20 @@ def test_bad_json_and_empty_input_exit_2(tmp_path):
     proc = _cli(empty, "-o", out)
     assert proc.returncode == 2 and f"no test with both medians in {empty}" in proc.stderr
     assert not out.exists()
+
+
+def test_samples_figure_draws_every_sample_of_a_run(tmp_path):
+    samples = [{"side": side, "round": r, "invocation": 2 * r + (side == "candidate"), "rep": rep,
+                "ts": 40.0 + r + rep, "discarded": rep == 0} for r in range(3) for side in ("baseline", "candidate")
+               for rep in range(3)]
+    two = [{**_test2(label, 40.0, 41.0, 1.02, 1.0, 1.04), "samples": samples} for label in ("tg128 a", "tg128 b")]
+    fig = plot.samples_figure(_schema2(tmp_path / "run.json", two), "a run")
+    assert [ax.get_title(loc="left") for ax in fig.axes] == ["tg128 a", "tg128 b"]
+    for ax in fig.axes:
+        hollow = [line for line in ax.get_lines() if line.get_markerfacecolor() == "none"]
+        filled = [line for line in ax.get_lines() if line.get_markerfacecolor() != "none"]
+        assert sum(len(line.get_ydata()) for line in hollow) == 6  # one left-out warm-up per process
+        assert sorted(y for line in filled for y in line.get_ydata()) == sorted(
+            s["ts"] for s in samples if not s["discarded"])
+    with pytest.raises(UserError, match="no per-sample records"):
+        plot.samples_figure(_schema1(tmp_path / "old.json", [("pp512", 10.0, 11.0)]))

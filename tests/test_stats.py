@@ -207,3 +207,16 @@ def test_plan_refuses_bad_settings(tmp_path):
             setattr(plan, name, value)
         with pytest.raises(UserError, match=words):
             plan.check()
+
+
+def test_warmup_rounds_are_left_out(tmp_path):
+    # the first round of the machine is 10% slow for the build that runs first: a warm-up round absorbs it
+    script = [{"pp": 900.0, "tg": 36.0, "tg0": 300.0}] + [{"pp": 1000.0, "tg": 40.0, "tg0": 340.0}] * 20
+    base = _fake_build(tmp_path, "a", script)
+    cand = _fake_build(tmp_path, "b", [{"pp": 1000.0, "tg": 40.0, "tg0": 340.0}] * 20)
+    result = bench.ab_bench({"baseline": base, "candidate": cand}, _plan(tmp_path, rounds=3, reps=2, warmup_rounds=1))
+    assert [r["warmup"] for r in result.rounds] == [True, False, False, False]
+    for row in result.rows.values():
+        iv = row.interval()
+        assert iv.n == 3 and iv.ratio == pytest.approx(1.0) and iv.half_width == pytest.approx(0.0)
+        assert all(s.discarded for s in row.samples if s.round == 0)
