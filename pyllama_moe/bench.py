@@ -133,6 +133,18 @@ class BenchResult:
         return out
 
 
+THREAD_FLAGS = ("-t", "--threads", "-C", "--cpu-mask", "--cpu-strict")
+
+
+def pinned_thread_args(cpus: set[int] | None = None) -> list[str]:
+    """llama-bench arguments for one compute thread pinned to each usable CPU but the last: on the GPU machine
+    a thread on every CPU was 2-4% faster and several times noisier (the main and CUDA threads had to share
+    a pinned core), see results/gpu-bench-stats.md."""
+    cpus = set(os.sched_getaffinity(0)) if cpus is None else cpus
+    mask = sum(1 << c for c in cpus)
+    return ["-t", str(max(1, len(cpus) - 1)), "-C", hex(mask), "--cpu-strict", "1"]
+
+
 def test_label(entry: dict) -> str:
     if entry.get("n_prompt") and entry.get("n_gen"):
         name = f"pp{entry['n_prompt']}+tg{entry['n_gen']}"

@@ -113,7 +113,13 @@ def run_bench(args, model: Path) -> str:
     names = {"baseline": args.baseline, "candidate": args.candidate}
     if args.baseline == args.candidate:
         names = {"baseline": f"{args.baseline} (A)", "candidate": f"{args.candidate} (B)"}
-    bench_args = args.bench_args or DEFAULT_BENCH_ARGS
+    bench_args = list(args.bench_args or DEFAULT_BENCH_ARGS)
+    if args.pin_threads:
+        given = [a for a in bench_args if a in bench.THREAD_FLAGS]
+        if given:
+            raise UserError(f"--pin-threads chooses the threads itself, but the llama-bench arguments set {given[0]}",
+                            "drop --pin-threads or the thread arguments")
+        bench_args += bench.pinned_thread_args()
     limit = bench_limits.parse_limit_row(args.limit_row) if args.limit_row else None
     plan = bench.BenchPlan(model=model, bench_args=bench_args, reps=args.reps, discard=args.discard,
                            rounds=args.rounds, warmup_rounds=args.warmup_rounds, target_ci=args.target_ci,
@@ -195,7 +201,7 @@ def cmd_demo(args) -> int:
     model = models.ensure_model("qwen3moe", matrix.models["qwen3moe"])
     args.bench_args, args.rounds, args.reps, args.discard, args.warmup_rounds = None, 2, 3, 1, 0
     args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = None
-    args.pcie_bound = args.paced = False
+    args.pcie_bound = args.paced = args.pin_threads = False
     print("\nA/B llama-bench on the CPU (ratios only; absolute numbers mean something on the GPU machine):")
     print(run_bench(args, model))
     return rc
@@ -261,6 +267,8 @@ def register(sub) -> None:
                    help="go on until every test's 95%% interval is within +/-F (e.g. 0.03) or --max-seconds is spent")
     p.add_argument("--max-seconds", type=float, metavar="S",
                    help="time budget of the rounds (default with --target-ci: 900)")
+    p.add_argument("--pin-threads", action="store_true",
+                   help="llama-bench threads: one pinned to each usable CPU but one (-t N-1 -C MASK --cpu-strict 1)")
     p.add_argument("--paced", action="store_true",
                    help="both builds loaded at once per round, repetitions alternating (one test; tools/paced-bench "
                         "instead of llama-bench; needs memory for two copies of the model)")

@@ -220,3 +220,9 @@ def test_warmup_rounds_are_left_out(tmp_path):
         iv = row.interval()
         assert iv.n == 3 and iv.ratio == pytest.approx(1.0) and iv.half_width == pytest.approx(0.0)
         assert all(s.discarded for s in row.samples if s.round == 0)
+
+
+def test_pinned_threads_leave_one_cpu_free():
+    assert bench.pinned_thread_args({0, 1, 2, 3}) == ["-t", "3", "-C", "0xf", "--cpu-strict", "1"]
+    assert bench.pinned_thread_args({4, 5}) == ["-t", "1", "-C", "0x30", "--cpu-strict", "1"]
+    assert bench.pinned_thread_args({0}) == ["-t", "1", "-C", "0x1", "--cpu-strict", "1"]

@@ -8,26 +8,27 @@
 #   cp312 wheels of cffi pycparser gguf diskcache in .whl/ (../shared/docs/gpu-workflow.md)
 # then, carrying .work/archives and .whl, one device call per step:
 #   build     CUDA builds (llama-bench; patched also llama-moe-copy-probe) and the 30B model, detached
-#   study     where decode noise comes from: master against itself, tg128 x threads 8/16 x pinned or not
-#   target    tg128 master vs patched, rounds until the 95% interval is within +/-3%, 300 s at most
+#   study     where decode noise comes from: master against itself, tg128 x pinned threads (STUDY_T)
+#   target    tg128 master vs patched, paced rounds until the 95% interval is within +/-3%, 300 s at most
 #   planted   patched vs patched with LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 in the candidate: the interval must
-#             exclude 1.0 (and the study's master-vs-master intervals must contain it)
-#   rows      the prefetch rows of issue 4 with intervals: pp4096 ub 2048/4096 and pp512/tg128 with host
-#             experts against all on the GPU (--limit-row), the PCIe bound, mmap against -lm none
+#             exclude 1.0
+#   self      master vs master, paced, the same budget: the interval must contain 1.0
+#   rows      the prefetch rows of issue 4 with intervals: pp4096 ub 2048/4096 with host experts against all
+#             on the GPU (--limit-row) and the PCIe bound, mmap against -lm none
 #   rows-short  pp512 and tg128 with host experts against all on the GPU
 # or all of them as one detached pipeline that keeps the GPU busy between device calls, repeating
 #   follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (570)
 # back to back until it prints "pipeline finished" (a machine is given back 30 s after a call).
-# THREADS sets llama-bench's thread arguments of target, planted and rows; the pipeline takes them from the
-# study (ci/gpu/pick_threads.py). Results land in $OUT (or ./gpu-out).
+# Threads: --pin-threads (one compute thread pinned per CPU but one: results/gpu-bench-stats.md says why).
+# REPS: repetitions per build and paced round (default 6). Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: bench-stats.sh build|study|target|planted|rows|rows-short|all|follow}
+step=${1:?usage: bench-stats.sh build|study|target|planted|self|rows|rows-short|all|follow}
 . "$(dirname "$0")/common.sh"
 PIPE=/tmp/plm-bench-pipeline
 export TARGETS_master=llama-bench TARGETS_patched=llama-bench,llama-moe-copy-probe
 HOST="-ngl 99 -ncmoe 48 -lm none"
 ALL_CPUS=$(printf '0x%x' $(( (1 << $(nproc)) - 1 )))
-THREADS=${THREADS:-$(cat $PIPE/threads.txt 2>/dev/null || echo -t 16)}
+PACED="--paced --pin-threads --warmup-rounds 1 --reps ${REPS:-6} --discard 1 --target-ci 0.03 --rounds 3"
 bench() { # $1: seconds at most, then pyllama-moe bench arguments
     local limit=$1; shift
     timeout "$limit" python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A "$@"
@@ -50,12 +51,9 @@ follow)
 all)
     # most important first: a call that runs out of device time leaves the later steps undone, not half-read
     BUILD_WAIT_S=1200 bash "$0" build || exit 1
-    bash "$0" study || exit 1
-    python3 ci/gpu/pick_threads.py "$OUT/study.json" > "$OUT/threads.txt" || exit 1
-    echo "threads for the A/B runs: $(cat "$OUT/threads.txt")"
-    for s in target planted rows rows-short; do
+    for s in target planted self rows rows-short; do
         echo "== step $s ($((SECONDS - T0)) s)"
-        THREADS="$(cat "$OUT/threads.txt")" bash "$0" $s
+        bash "$0" $s
     done
     ;;
 build)
@@ -70,39 +68,44 @@ study)
       free -g | head -2; cat /proc/loadavg
       nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,pstate --format=csv
     } 2>&1 | tee "$OUT/machine.txt"
-    # one llama-bench process runs the four thread settings on one loaded model; two rounds of master
-    # against itself give four processes per setting: the noise inside a process and between processes
-    bench 560 --baseline master --candidate master --rounds 2 --reps 3 --discard 1 --json "$OUT/study.json" \
-        -- -p 0 -n 128 $HOST -t 8,16 -C $ALL_CPUS --cpu-strict 0,1 2>&1 | tee "$OUT/study.txt"
+    # one llama-bench process runs the thread settings on one loaded model; rounds of master against itself
+    # give two processes per setting and round: the noise inside a process and between processes
+    bench 560 --baseline master --candidate master --warmup-rounds 1 --rounds 2 --reps 3 --discard 1 \
+        --json "$OUT/study.json" -- -p 0 -n 128 $HOST -t ${STUDY_T:-12,15,16} -C $ALL_CPUS --cpu-strict 1 \
+        2>&1 | tee "$OUT/study.txt"
     ;;
 target)
     wait_builds 60 || exit 1
-    bench 420 --target-ci 0.03 --max-seconds 300 --rounds 3 --reps ${REPS:-2} --discard 1 \
-        --json "$OUT/target-tg128.json" -- -p 0 -n 128 $HOST $THREADS 2>&1 | tee "$OUT/target-tg128.txt"
+    bench 420 $PACED --max-seconds 300 --json "$OUT/target-tg128.json" -- -p 0 -n 128 $HOST \
+        2>&1 | tee "$OUT/target-tg128.txt"
     ;;
 planted)
     wait_builds 60 || exit 1
-    bench 420 --baseline patched --candidate patched --candidate-env LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 \
-        --target-ci 0.03 --max-seconds ${PLANTED_S:-180} --rounds 3 --reps ${REPS:-2} --discard 1 \
-        --json "$OUT/planted-tg128.json" -- -p 0 -n 128 $HOST $THREADS 2>&1 | tee "$OUT/planted-tg128.txt"
+    bench 420 --baseline patched --candidate patched --candidate-env LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 $PACED \
+        --max-seconds 300 --json "$OUT/planted-tg128.json" -- -p 0 -n 128 $HOST 2>&1 | tee "$OUT/planted-tg128.txt"
+    ;;
+self)
+    wait_builds 60 || exit 1
+    bench 420 --baseline master --candidate master $PACED --max-seconds 300 --json "$OUT/self-tg128.json" \
+        -- -p 0 -n 128 $HOST 2>&1 | tee "$OUT/self-tg128.txt"
     ;;
 rows)
     wait_builds 60 || exit 1
-    bench 300 --rounds ${ROUNDS:-3} --reps 3 --discard 1 --limit-row n_cpu_moe=0 --pcie-bound \
-        --json "$OUT/rows-pp4096.json" -- -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none $THREADS \
+    bench 400 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --pin-threads --limit-row n_cpu_moe=0 --pcie-bound \
+        --json "$OUT/rows-pp4096.json" -- -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none \
         2>&1 | tee "$OUT/rows-pp4096.txt"
-    bench 240 --rounds ${ROUNDS:-3} --reps 3 --discard 1 --limit-row load_mode=none --pcie-bound \
-        --json "$OUT/rows-mmap.json" -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 48 -lm mmap,none $THREADS \
+    bench 240 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --pin-threads --limit-row load_mode=none --pcie-bound \
+        --json "$OUT/rows-mmap.json" -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 48 -lm mmap,none \
         2>&1 | tee "$OUT/rows-mmap.txt"
     ;;
 rows-short)
     wait_builds 60 || exit 1
-    bench 400 --rounds ${ROUNDS:-3} --reps 3 --discard 1 --limit-row n_cpu_moe=0 \
-        --json "$OUT/rows-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none $THREADS \
+    bench 400 --rounds ${ROUNDS:-4} --reps 3 --discard 1 --pin-threads --limit-row n_cpu_moe=0 \
+        --json "$OUT/rows-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none \
         2>&1 | tee "$OUT/rows-pp512-tg128.txt"
     ;;
 *)
-    echo "unknown step $step: use build|study|target|planted|rows|rows-short"; exit 2
+    echo "unknown step $step: use build|study|target|planted|self|rows|rows-short|all|follow"; exit 2
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"
