@@ -155,7 +155,9 @@ def test_label(entry: dict) -> str:
     if entry.get("n_depth"):
         name += f"@d{entry['n_depth']}"
     parts = [name, f"ub{entry.get('n_ubatch')}", f"ngl{entry.get('n_gpu_layers')}", f"ncmoe{entry.get('n_cpu_moe')}",
-             f"lm={entry.get('load_mode')}", f"t{entry.get('n_threads')}"]
+             f"lm={entry.get('load_mode')}"]
+    if entry.get("n_threads") is not None:
+        parts.append(f"t{entry['n_threads']}")
     if entry.get("cpu_strict"):  # threads pinned one per CPU of the mask
         parts.append(f"pinned{entry.get('cpu_mask')}")
     return " ".join(str(p) for p in parts)

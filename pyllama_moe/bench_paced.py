@@ -1,0 +1,92 @@
+"""`pyllama-moe bench --paced`: rounds in which both builds stay loaded and their repetitions alternate.
+
+With llama-bench, every round starts one process per build, and on the GPU machine a process spends ~10 s
+loading the 17 GB model with `-lm none` for ~7 s of decode: most of a run is loading, and the two builds'
+repetitions are 17 s apart, long enough for the machine to drift between them. Paced rounds start both
+builds' drivers (`tools/paced-bench`, compiled against each build) at once, let them load in parallel, warm
+each up as llama-bench does, then ask them for repetitions in turn, A B B A ..., a few seconds apart. A round
+still ends with both processes: a process's placement (which memory, which cores) is part of the noise, so
+the interval keeps pairing rounds, never repetitions (`pyllama_moe.stats`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pyllama_moe import paced
+from pyllama_moe.bench import SIDES, BenchPlan, RoundRunner
+from pyllama_moe.build import Build
+from pyllama_moe.errors import UserError
+
+# llama-bench flags the driver takes, with the PacedSpec field each sets and how to read its value
+_FLAGS = {"-p": ("n_prompt", int), "-n": ("n_gen", int), "-b": ("n_batch", int), "-ub": ("n_ubatch", int),
+          "-ngl": ("n_gpu_layers", int), "-ncmoe": ("n_cpu_moe", int), "-lm": ("load_mode", str),
+          "-t": ("n_threads", int), "-C": ("cpu_mask", str), "--cpu-strict": ("cpu_strict", lambda v: v == "1"),
+          "--poll": ("poll", int), "-fa": ("flash_attn", str)}
+_LONG = {"--n-prompt": "-p", "--n-gen": "-n", "--batch-size": "-b", "--ubatch-size": "-ub", "--n-gpu-layers": "-ngl",
+         "--n-cpu-moe": "-ncmoe", "--load-mode": "-lm", "--threads": "-t", "--cpu-mask": "-C", "--flash-attn": "-fa"}
+LOAD_TIMEOUT_S = 600.0  # two 17 GB models copied into pinned memory at once
+REP_TIMEOUT_S = 600.0
+
+
+def parse_spec(model: Path, bench_args: list[str]) -> paced.PacedSpec:
+    """The one test a paced run measures, from llama-bench-style arguments (one value per flag)."""
+    values: dict = {"model": str(model), "n_prompt": 0, "n_gen": 0}
+    it = iter(bench_args)
+    for flag in it:
+        flag = _LONG.get(flag, flag)
+        if flag not in _FLAGS:
+            raise UserError(f"bench --paced does not take the llama-bench argument {flag}",
+                            "use one value each of: " + " ".join(_FLAGS))
+        raw = next(it, None)
+        if raw is None or "," in raw:
+            raise UserError(f"bench --paced needs exactly one value after {flag} (got {raw!r})",
+                            "a paced run measures one test; run the others separately")
+        name, convert = _FLAGS[flag]
+        try:
+            values[name] = convert(raw)
+        except ValueError as exc:
+            raise UserError(f"bench --paced: {flag} {raw!r} is not a valid value", "see llama-bench --help") from exc
+    if bool(values["n_prompt"]) == bool(values["n_gen"]):
+        raise UserError("bench --paced measures either a prompt or a generation test",
+                        "give -p N -n 0 (prompt) or -p 0 -n N (generation)")
+    return paced.PacedSpec(**values)
+
+
+def spec_fields(spec: paced.PacedSpec) -> dict:
+    """The llama-bench JSON fields of the test, so rows are labelled and keyed like llama-bench's."""
+    return {"n_prompt": spec.n_prompt, "n_gen": spec.n_gen, "n_batch": spec.n_batch, "n_ubatch": spec.n_ubatch,
+            "n_gpu_layers": spec.n_gpu_layers, "n_cpu_moe": spec.n_cpu_moe, "load_mode": spec.load_mode or "auto",
+            "n_threads": spec.n_threads, "cpu_mask": spec.cpu_mask, "cpu_strict": spec.cpu_strict, "poll": spec.poll}
+
+
+def paced_rounds(builds: dict[str, Build], plan: BenchPlan) -> RoundRunner:
+    spec = parse_spec(plan.model, plan.bench_args)
+    exes = {side: paced.ensure_tool(builds[side]) for side in SIDES}  # compile before the first round
+    kind = "pp" if spec.n_prompt else "tg"
+    warmup = "pp" if kind == "pp" else "tg 1"  # llama-bench's warm-up: the whole prompt, or one token
+    fields = spec_fields(spec)
+
+    def run(order: tuple[str, ...]) -> dict[str, tuple[list[dict], float]]:
+        started = time.monotonic()
+        procs = {side: paced.PacedProcess(exes[side], spec, plan.env.get(side)) for side in order}
+        samples: dict[str, list[float]] = {side: [] for side in order}
+        try:
+            for side in order:
+                procs[side].start()  # both load at once
+            for side in order:
+                procs[side].wait_ready(LOAD_TIMEOUT_S)
+            for side in order:
+                procs[side].run(warmup, REP_TIMEOUT_S)
+            for rep in range(plan.reps):
+                for side in (order if rep % 2 == 0 else order[::-1]):
+                    reply = procs[side].run(kind, REP_TIMEOUT_S)
+                    samples[side].append(reply["n_tokens"] / (reply["ns"] / 1e9))
+        finally:
+            for proc in procs.values():
+                proc.close()
+        half = (time.monotonic() - started) / 2  # the sides shared the round's time
+        return {side: ([{**fields, "samples_ts": samples[side]}], half) for side in order}
+
+    return run
