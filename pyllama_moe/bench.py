@@ -35,9 +35,11 @@ SCHEMA = 2
 TEST_FIELDS = ("n_prompt", "n_gen", "n_depth", "n_batch", "n_ubatch", "n_gpu_layers", "n_cpu_moe", "type_k",
                "type_v", "flash_attn", "load_mode", "no_host", "repack", "tensor_buft_overrides", "n_threads",
                "cpu_mask", "cpu_strict", "poll", "no_op_offload", "split_mode")
-# a round needs at least this many pairs before an interval is trusted to stop on (t with 2 degrees of
-# freedom is 4.3: a narrow interval from 3 pairs is rare, and from fewer it is luck)
-MIN_ROUNDS_FOR_TARGET = 3
+# rounds before an interval may stop a run: stopping as soon as an interval is narrow favours runs whose
+# spread came out small by chance, and with few rounds that is common (simulated: with 3-5 rounds and a
+# per-round spread equal to the target, "converged" intervals covered 84% instead of 95%; 5 rounds keep the
+# loss to a few points, README "Benchmarks and their statistics")
+MIN_ROUNDS_FOR_TARGET = 5
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,6 @@ class BenchPlan:
     warmup_rounds: int = 0  # rounds run first and left out of every statistic (a machine that sat idle)
     target_ci: float | None = None  # relative half-width every test's interval must reach, e.g. 0.03
     max_seconds: float | None = None  # time budget of the rounds (a round that would not fit is not started)
-    confidence: float = stats.CONFIDENCE
     env: dict[str, dict] = field(default_factory=dict)  # side -> extra environment of that build's runs
 
     def check(self) -> None:
@@ -163,6 +164,18 @@ def test_label(entry: dict) -> str:
     return " ".join(str(p) for p in parts)
 
 
+SLOWDOWN_KNOB = "LLAMA_MOE_DEBUG_SLOWDOWN_PCT"
+
+
+def check_planted_slowdown(env: dict | None, stderr: str, who: str) -> None:
+    """A run asked for a planted loss must show that the build applied it (a master build, or a value the
+    build refused, would silently measure no loss and pass for a test the statistics failed)."""
+    value = (env or {}).get(SLOWDOWN_KNOB, "")
+    if value not in ("", "0") and f"{SLOWDOWN_KNOB}={value}: every compute is made" not in stderr:
+        raise UserError(f"{who} did not apply {SLOWDOWN_KNOB}={value}",
+                        "plant the slowdown in a patched build, with a whole number of percent (0..1000)")
+
+
 def run_llama_bench(build: Build, args: list[str], env: dict | None = None) -> list[dict]:
     exe = build.tool("llama-bench")
     cmd = [str(exe), *args, "-o", "json"]
@@ -172,6 +185,7 @@ def run_llama_bench(build: Build, args: list[str], env: dict | None = None) -> l
         sys.stderr.write(tail + "\n")
         raise UserError(f"llama-bench of the {build.variant} build failed (exit {proc.returncode}): {' '.join(cmd)}",
                         "see the log lines above; check the llama-bench arguments")
+    check_planted_slowdown(env, proc.stderr, f"llama-bench of the {build.variant} build")
     try:
         return json.loads(proc.stdout)
     except ValueError as exc:
@@ -185,6 +199,19 @@ def _add_invocation(result: BenchResult, entries: list[dict], side: str, rnd: in
         row = result.rows.setdefault(key, BenchRow(key, test_label(entry), {f: entry.get(f) for f in TEST_FIELDS}))
         for rep, ts in enumerate(entry.get("samples_ts") or [entry["avg_ts"]]):
             row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard))
+    _unique_labels(list(result.rows.values()))
+
+
+def _unique_labels(rows: list[BenchRow]) -> None:
+    """Tests that differ only in a setting the short label leaves out (-fa 0,1; -b 2048,4096) get that setting
+    appended: verdicts, limit rows and tables are looked up by label."""
+    groups: dict[str, list[BenchRow]] = {}
+    for row in rows:
+        groups.setdefault(test_label(row.fields), []).append(row)
+    for base, group in groups.items():
+        differing = [f for f in TEST_FIELDS if len({repr(r.fields.get(f)) for r in group}) > 1]
+        for row in group:
+            row.label = " ".join([base, *(f"{f}={row.fields.get(f)}" for f in differing)])
 
 
 # A round runner measures one round: given the order of the sides, it returns per side the llama-bench-shaped
@@ -218,7 +245,8 @@ def ab_bench(builds: dict[str, Build], plan: BenchPlan, on_round: Callable[[Benc
     rnd = 0
     while True:
         warmup = rnd < plan.warmup_rounds
-        order = SIDES if rnd % 2 == 0 else SIDES[::-1]
+        # ABBA counted from the first measured round, so any even number of measured rounds is balanced
+        order = SIDES if (rnd - plan.warmup_rounds) % 2 == 0 else SIDES[::-1]
         measured = run_round(order)
         for side in order:
             entries, _ = measured[side]

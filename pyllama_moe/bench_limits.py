@@ -31,6 +31,7 @@ PROBE = "llama-moe-copy-probe"
 BENCH_TARGETS = {"master": ("llama-bench",), "patched": ("llama-bench", PROBE)}
 # ggml's default GGML_OP_OFFLOAD_MIN_BATCH: below it, host weights are used where they are, not uploaded
 OFFLOAD_MIN_BATCH = 32
+PROBE_TIMEOUT_S = 120.0
 
 
 def parse_limit_row(spec: str) -> tuple[str, str]:
@@ -43,6 +44,8 @@ def parse_limit_row(spec: str) -> tuple[str, str]:
 
 
 def _same_value(a, b: str) -> bool:
+    if isinstance(a, bool):  # llama-bench writes booleans as JSON true/false; people write 0/1
+        return b.lower() in (("1", "true") if a else ("0", "false"))
     return str(a).lower() == b.lower()
 
 
@@ -79,20 +82,19 @@ def limit_shares(result: BenchResult, field: str, value: str) -> dict[str, dict]
 
 def host_upload_bytes(model: Path, n_cpu_moe: int, n_gpu_layers: int) -> int:
     """Bytes of matrix weights in host memory that a large ubatch uploads: the experts of the first
-    `n_cpu_moe` layers, every matrix of the layers `-ngl` leaves on the CPU (llama.cpp counts the output layer
-    as one of the `-ngl` layers), and the output matrix when `-ngl 0`."""
+    `n_cpu_moe` layers and every matrix of the layers `-ngl` leaves on the CPU (llama.cpp counts the output
+    layer as one of the `-ngl` layers; a negative `-ngl`, llama-bench's default -1, means all on the GPU).
+    The output matrix is left out even with `-ngl 0`: a prompt run computes logits for one row only, which is
+    under the offload threshold."""
     from pyllama_moe.synth.gguf_read import read_gguf
 
     info = read_gguf(model, check_data=False)
     n_layer = int(info.arch_key("block_count", 0))
-    first_gpu_layer = max(0, n_layer + 1 - n_gpu_layers)
+    first_gpu_layer = 0 if n_gpu_layers < 0 else max(0, n_layer + 1 - n_gpu_layers)
     total = 0
     for name, tensor in info.tensors.items():
-        if len(tensor.shape) < 2 or name == "token_embd.weight":  # vectors and row lookups are not uploaded
-            continue
         match = re.match(r"blk\.(\d+)\.", name)
-        if match is None:
-            total += tensor.nbytes if n_gpu_layers == 0 else 0
+        if len(tensor.shape) < 2 or match is None:  # vectors, the row lookup of embeddings, the output matrix
             continue
         layer = int(match.group(1))
         if layer < first_gpu_layer or (layer < n_cpu_moe and "_exps" in name):
@@ -100,14 +102,28 @@ def host_upload_bytes(model: Path, n_cpu_moe: int, n_gpu_layers: int) -> int:
     return total
 
 
+def uploading_ubatches(n_prompt: int, n_batch: int, n_ubatch: int) -> int:
+    """Ubatches of a prompt run that upload host weights: llama-bench decodes n_batch tokens at a time, each
+    batch split into ubatches of n_ubatch, and only those of at least OFFLOAD_MIN_BATCH tokens are offloaded."""
+    count = 0
+    for start in range(0, n_prompt, n_batch):
+        batch = min(n_batch, n_prompt - start)
+        full, rest = divmod(batch, n_ubatch)
+        count += (full if n_ubatch >= OFFLOAD_MIN_BATCH else 0) + (1 if rest >= OFFLOAD_MIN_BATCH else 0)
+    return count
+
+
 def pcie_bound(fields: dict, host_bytes: int, gbps: float) -> float | None:
-    """Tokens/s a prompt row cannot beat when every ubatch uploads `host_bytes` at `gbps`; None where no bound
-    applies (decode rows compute host weights on the CPU; small ubatches and all-on-GPU rows upload nothing)."""
+    """Tokens/s a prompt row cannot beat when every offloaded ubatch uploads `host_bytes` at `gbps`; None where
+    no bound applies (decode rows compute host weights on the CPU; op offload off, small ubatches and all-on-GPU
+    rows upload nothing)."""
     n_prompt, n_gen = fields.get("n_prompt") or 0, fields.get("n_gen") or 0
-    ubatch = min(fields.get("n_ubatch") or n_prompt, fields.get("n_batch") or n_prompt)
-    if not n_prompt or n_gen or not host_bytes or ubatch < OFFLOAD_MIN_BATCH or gbps <= 0:
+    if not n_prompt or n_gen or not host_bytes or gbps <= 0 or fields.get("no_op_offload"):
         return None
-    ubatches = math.ceil(n_prompt / ubatch)
+    n_batch = fields.get("n_batch") or n_prompt
+    ubatches = uploading_ubatches(n_prompt, n_batch, min(fields.get("n_ubatch") or n_batch, n_batch))
+    if not ubatches:
+        return None
     return n_prompt / (ubatches * host_bytes / (gbps * 1e9))
 
 
@@ -121,10 +137,15 @@ def run_copy_probe(builds: dict[str, Build], mib: int = 512) -> dict | None:
     else:
         say(f"pcie bound: neither build has {PROBE} (it is built with patched builds): no bound column")
         return None
-    proc = subprocess.run([str(exe), "--mib", str(mib), "--reps", "10"], capture_output=True, text=True)
+    try:
+        proc = subprocess.run([str(exe), "--mib", str(mib), "--reps", "10"], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        say(f"pcie bound: {PROBE} did not finish in {PROBE_TIMEOUT_S:.0f} s: no bound column")
+        return None
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     found = [d for d in lines if d.get("pinned_gbps")]
-    if proc.returncode != 0 or not found:
+    if not found:  # a later device failing does not void the lines of the first
         say(f"pcie bound: {PROBE} measured no pinned bandwidth (exit {proc.returncode}): "
             + (proc.stderr.strip().splitlines() or ["no output"])[-1])
         return None
@@ -137,7 +158,8 @@ def pcie_columns(result: BenchResult, model: Path, probes: list[dict]) -> dict[s
     cache: dict[tuple, int] = {}
     out = {}
     for row in result.rows.values():
-        placement = (row.fields.get("n_cpu_moe") or 0, row.fields.get("n_gpu_layers") or 0)
+        ngl = row.fields.get("n_gpu_layers")
+        placement = (row.fields.get("n_cpu_moe") or 0, -1 if ngl is None else ngl)  # llama-bench's default: -1
         if placement not in cache:
             cache[placement] = host_upload_bytes(model, *placement)
         bound = pcie_bound(row.fields, cache[placement], gbps)

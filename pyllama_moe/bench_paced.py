@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from pyllama_moe import paced
-from pyllama_moe.bench import SIDES, BenchPlan, RoundRunner
+from pyllama_moe.bench import SIDES, BenchPlan, RoundRunner, check_planted_slowdown
 from pyllama_moe.build import Build
 from pyllama_moe.errors import UserError
 
@@ -58,7 +58,8 @@ def spec_fields(spec: paced.PacedSpec) -> dict:
     """The llama-bench JSON fields of the test, so rows are labelled and keyed like llama-bench's."""
     return {"n_prompt": spec.n_prompt, "n_gen": spec.n_gen, "n_batch": spec.n_batch, "n_ubatch": spec.n_ubatch,
             "n_gpu_layers": spec.n_gpu_layers, "n_cpu_moe": spec.n_cpu_moe, "load_mode": spec.load_mode or "auto",
-            "n_threads": spec.n_threads, "cpu_mask": spec.cpu_mask, "cpu_strict": spec.cpu_strict, "poll": spec.poll}
+            "n_threads": spec.n_threads, "cpu_mask": spec.cpu_mask, "cpu_strict": spec.cpu_strict, "poll": spec.poll,
+            "flash_attn": spec.flash_attn}
 
 
 def paced_rounds(builds: dict[str, Build], plan: BenchPlan) -> RoundRunner:
@@ -79,6 +80,8 @@ def paced_rounds(builds: dict[str, Build], plan: BenchPlan) -> RoundRunner:
                 procs[side].wait_ready(LOAD_TIMEOUT_S)
             for side in order:
                 procs[side].run(warmup, REP_TIMEOUT_S)
+                check_planted_slowdown(plan.env.get(side), procs[side].log_path.read_text(errors="replace"),
+                                       f"the paced driver of the {builds[side].variant} build")
             for rep in range(plan.reps):
                 for side in (order if rep % 2 == 0 else order[::-1]):
                     reply = procs[side].run(kind, REP_TIMEOUT_S)

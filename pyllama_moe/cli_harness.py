@@ -156,7 +156,7 @@ def run_bench(args, model: Path) -> str:
     result = bench.ab_bench(builds, plan, on_round=save, runner=runner)
     if args.pcie_bound and probes:
         probes += [p for p in [bench_limits.run_copy_probe(builds)] if p]  # before and after: drift shows
-        save(result)
+    save(result)  # again: the stop reason and the second probe came after the last round's save
     table = bench.format_table(result, names, args.target_ci, extras(result)[1])
     lines = [table, "", bench.format_noise(result, names), "", f"stopped: {result.stop_reason} ({result.seconds:.0f} s)"]
     if probes:

@@ -31,7 +31,7 @@ from pyllama_moe.progress import say
 
 TOOL_SOURCE = PROJECT_ROOT / "tools" / "paced-bench" / "llama-moe-paced-bench.cpp"
 TOOL_NAME = "llama-moe-paced-bench"
-LIBRARIES = ("llama", "ggml", "ggml-base")  # the threadpool comes through the CPU backend's registry, not ggml-cpu
+LIBRARIES = ("llama", "ggml", "ggml-base", "ggml-cpu")  # ggml-cpu: pausing the threadpool between repetitions
 
 
 def _source_dir(build: Build) -> Path:

@@ -64,6 +64,8 @@ def test_host_bytes_are_the_offloaded_matrices(tiny_model):
     assert experts_of_first_two > 0
     assert bench_limits.host_upload_bytes(tiny_model, n_cpu_moe=2, n_gpu_layers=99) == experts_of_first_two
     assert bench_limits.host_upload_bytes(tiny_model, n_cpu_moe=0, n_gpu_layers=99) == 0
+    assert bench_limits.host_upload_bytes(tiny_model, n_cpu_moe=0, n_gpu_layers=-1) == 0  # llama-bench's default
+    assert bench_limits.host_upload_bytes(tiny_model, n_cpu_moe=2, n_gpu_layers=-1) == experts_of_first_two
     # -ngl n_layer leaves layer 0 on the CPU (llama.cpp counts the output layer among the -ngl layers)
     dims = {t.name: len(t.shape) for t in reader.tensors}
     layer0 = sum(n for name, n in sizes.items() if layer(name) == 0 and dims[name] >= 2)
@@ -81,4 +83,10 @@ def test_planted_slowdown_knob_is_read_once_and_logged(patched_build, tiny_model
     planted = bench("5")
     assert planted.count("LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5: every compute is made 5% slower") == 1
     assert "LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5000 ignored" in bench("5000")
+    assert "LLAMA_MOE_DEBUG_SLOWDOWN_PCT=0.05 ignored" in bench("0.05")
     assert "LLAMA_MOE_DEBUG_SLOWDOWN_PCT" not in bench(None)
+    # without -v too: llama-bench silences llama.cpp's log, the knob must still say it is active
+    quiet = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-p", "0", "-n", "2",
+                            "-r", "1", "-t", "2"], capture_output=True, text=True,
+                           env=_env_without_sim(LLAMA_MOE_DEBUG_SLOWDOWN_PCT="5"))
+    assert quiet.returncode == 0 and "every compute is made 5% slower" in quiet.stderr

@@ -194,6 +194,10 @@ def test_pcie_bound_arithmetic():
     fields = {"n_prompt": 4096, "n_gen": 0, "n_ubatch": 2048, "n_batch": 4096}
     # two ubatches, each uploading 10 GB at 50 GB/s: 0.4 s for 4096 tokens
     assert bench_limits.pcie_bound(fields, 10 * 10**9, 50.0) == pytest.approx(4096 / 0.4)
+    # a last ubatch under the offload threshold uploads nothing; batches not a multiple of the ubatch split again
+    assert bench_limits.uploading_ubatches(520, 2048, 512) == 1
+    assert bench_limits.uploading_ubatches(1536, 768, 512) == 4
+    assert bench_limits.pcie_bound({**fields, "no_op_offload": True}, 10**9, 50.0) is None
     assert bench_limits.pcie_bound({**fields, "n_gen": 128, "n_prompt": 0}, 10**9, 50.0) is None  # decode
     assert bench_limits.pcie_bound({**fields, "n_ubatch": 16}, 10**9, 50.0) is None  # not offloaded
     assert bench_limits.pcie_bound(fields, 0, 50.0) is None  # all on the GPU
@@ -226,3 +230,32 @@ def test_pinned_threads_leave_one_cpu_free():
     assert bench.pinned_thread_args({0, 1, 2, 3}) == ["-t", "3", "-C", "0xf", "--cpu-strict", "1"]
     assert bench.pinned_thread_args({4, 5}) == ["-t", "1", "-C", "0x30", "--cpu-strict", "1"]
     assert bench.pinned_thread_args({0}) == ["-t", "1", "-C", "0x1", "--cpu-strict", "1"]
+
+
+def test_rows_differing_outside_the_label_get_their_own_label_and_verdict(tmp_path):
+    result = bench.BenchResult()
+    for fa, noise in ((0, [0.0, 0.0005]), (1, [0.0, 0.3])):
+        entry = {"n_prompt": 0, "n_gen": 128, "n_ubatch": 512, "flash_attn": fa}
+        for rnd in range(6):
+            for side in bench.SIDES:
+                ts = 40.0 * (1 + (noise[rnd % 2] if side == "candidate" else 0))
+                bench._add_invocation(result, [{**entry, "samples_ts": [ts]}], side, rnd, 0, 0)
+    labels = [row.label for row in result.rows.values()]
+    assert len(set(labels)) == 2 and all("flash_attn=" in label for label in labels)
+    verdict = result.converged(0.03)
+    assert sorted(verdict.values()) == [False, True]  # the noisy row is not hidden behind the steady one
+
+
+def test_measured_rounds_start_abba_after_warmup_and_a_missing_plant_is_refused(tmp_path):
+    base = _fake_build(tmp_path, "a", _drifting(10, [0.0]))
+    cand = _fake_build(tmp_path, "b", _drifting(10, [0.0]))
+    result = bench.ab_bench({"baseline": base, "candidate": cand}, _plan(tmp_path, rounds=2, reps=2, warmup_rounds=1))
+    assert [r["order"][0] for r in result.rounds if not r["warmup"]] == ["baseline", "candidate"]
+    plan = _plan(tmp_path, rounds=2, reps=2, env={"candidate": {bench.SLOWDOWN_KNOB: "5"}})
+    with pytest.raises(UserError, match="did not apply LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5"):
+        bench.ab_bench({"baseline": base, "candidate": cand}, plan)  # the stand-in never says it slowed down
+
+
+def test_limit_row_values_match_booleans():
+    assert bench_limits._same_value(True, "1") and bench_limits._same_value(False, "false")
+    assert not bench_limits._same_value(False, "1") and bench_limits._same_value(0, "0")

@@ -7,6 +7,7 @@
 
 #include "ggml-backend.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 
@@ -131,19 +132,25 @@ void llama_moe_reset_stats(llama_context * ctx) {
 // debug: a planted slowdown
 //
 
+// written to stderr, not through llama.cpp's log: benchmark tools silence the log, and a planted loss that
+// did not say it was active could not be told from one that was never set
 static int debug_slowdown_pct() {
     static const int pct = [] {
         const char * env = getenv("LLAMA_MOE_DEBUG_SLOWDOWN_PCT");
-        const int value = env ? atoi(env) : 0;
-        if (value < 0 || value > 1000) {
-            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_DEBUG_SLOWDOWN_PCT=%s ignored: use 0..1000\n", env);
+        if (env == nullptr || *env == '\0') {
+            return 0;
+        }
+        char * end = nullptr;
+        const long value = strtol(env, &end, 10);
+        if (*end != '\0' || value < 0 || value > 1000) {
+            fprintf(stderr, "llama_moe: LLAMA_MOE_DEBUG_SLOWDOWN_PCT=%s ignored: use a whole number 0..1000\n", env);
             return 0;
         }
         if (value > 0) {
-            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_DEBUG_SLOWDOWN_PCT=%d: every compute is made %d%% slower (a planted loss for testing benchmarks)\n",
+            fprintf(stderr, "llama_moe: LLAMA_MOE_DEBUG_SLOWDOWN_PCT=%ld: every compute is made %ld%% slower (a planted loss for testing benchmarks)\n",
                     value, value);
         }
-        return value;
+        return (int) value;
     }();
     return pct;
 }

@@ -174,6 +174,7 @@ struct paced_state {
     bool               add_bos;
     llama_token        bos;
     std::vector<llama_token> tokens;
+    ggml_threadpool *  threadpool;
 };
 
 // one batch of sequence 0 at positions pos0.., logits for the last token only, as llama-bench's batches
@@ -195,6 +196,7 @@ static int decode(paced_state & st, int n, llama_pos pos0) {
 // same tokens.
 static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) {
     llama_memory_clear(llama_get_memory(st.ctx), false);
+    ggml_threadpool_resume(st.threadpool);
     int res = 0;
     const auto t0 = std::chrono::steady_clock::now();
     if (prompt) {
@@ -217,6 +219,9 @@ static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) 
         }
     }
     ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    // after a repetition ggml's workers keep polling for a while; the other build's process measures next on
+    // the same pinned cores, so put them to sleep now (llama-bench never has a second process to disturb)
+    ggml_threadpool_pause(st.threadpool);
     return res;
 }
 
@@ -284,16 +289,6 @@ int main(int argc, char ** argv) {
     ggml_backend_load_all();
     llama_backend_init();
 
-    // the threadpool functions live in the CPU backend, found through its registry, so that the driver
-    // needs no link to ggml-cpu (it may be a dynamically loaded backend)
-    ggml_backend_dev_t cpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    ggml_backend_reg_t cpu_reg = cpu_dev ? ggml_backend_dev_backend_reg(cpu_dev) : nullptr;
-    auto * threadpool_new  = cpu_reg ? (decltype(ggml_threadpool_new)  *) ggml_backend_reg_get_proc_address(cpu_reg, "ggml_threadpool_new")  : nullptr;
-    auto * threadpool_free = cpu_reg ? (decltype(ggml_threadpool_free) *) ggml_backend_reg_get_proc_address(cpu_reg, "ggml_threadpool_free") : nullptr;
-    if (!threadpool_new || !threadpool_free) {
-        fprintf(stderr, "error: the CPU backend or its threadpool functions were not found: check the build's libggml-cpu\n");
-        return 1;
-    }
 
     // -ncmoe N: the expert tensors of blocks 0..N-1 stay in host memory, the patterns llama-bench builds
     std::vector<std::string> patterns(p.n_cpu_moe); // sized first: the overrides point into these strings
@@ -337,7 +332,7 @@ int main(int argc, char ** argv) {
     parse_cpu_mask(p.cpu_mask, tpp.cpumask); // validated in parse_args
     tpp.strict_cpu = p.cpu_strict;
     tpp.poll       = (uint32_t) p.poll;
-    ggml_threadpool * threadpool = threadpool_new(&tpp);
+    ggml_threadpool * threadpool = ggml_threadpool_new(&tpp);
     if (!threadpool) {
         fprintf(stderr, "error: failed to create a threadpool of %d threads (mask %s): lower -t or fix -C\n", n_threads, p.cpu_mask.c_str());
         llama_free(ctx);
@@ -350,7 +345,7 @@ int main(int argc, char ** argv) {
     const llama_vocab * vocab = llama_model_get_vocab(model);
     paced_state st = {
         ctx, llama_batch_ext_init(ctx), std::min(p.n_batch, (int) llama_n_batch(ctx)), (int) llama_n_ctx(ctx),
-        llama_vocab_n_tokens(vocab), llama_vocab_get_add_bos(vocab), llama_vocab_bos(vocab), {},
+        llama_vocab_n_tokens(vocab), llama_vocab_get_add_bos(vocab), llama_vocab_bos(vocab), {}, threadpool,
     };
     st.tokens.resize(st.n_batch);
 
@@ -360,7 +355,7 @@ int main(int argc, char ** argv) {
 
     llama_batch_ext_free(st.batch);
     llama_free(ctx);
-    threadpool_free(threadpool);
+    ggml_threadpool_free(threadpool);
     llama_model_free(model);
     llama_backend_free();
     return 0;

@@ -128,6 +128,7 @@ static bool probe_device(ggml_backend_dev_t dev, const probe_params & params) {
     ggml_backend_buffer_t host_buf = nullptr;
     void *                pageable = nullptr;
     bool                  ok       = false;
+    const char *          note     = nullptr; // why no pinned bandwidth was measured
 
     ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(dev);
     probe_stats pinned      = {};
@@ -147,9 +148,19 @@ static bool probe_device(ggml_backend_dev_t dev, const probe_params & params) {
             alloc_error(n, "host (pinned) memory", dev);
             goto done;
         }
-        // non-zero bytes, so that no layer can take a shortcut on zero pages
-        memset(ggml_backend_buffer_get_base(host_buf), 0x5a, n);
-        pinned = time_copies(backend, dst, ggml_backend_buffer_get_base(host_buf), n, (size_t) params.reps);
+        // CUDA's host buffer type hands out an ordinary CPU buffer when page-locking fails or is turned off
+        // (GGML_CUDA_NO_PINNED); timing that would report pageable bandwidth under the pinned name
+        if (ggml_backend_buffer_get_type(host_buf) != host_buft) {
+            note = "the host buffer type fell back to ordinary memory (page-locking failed or is turned off, e.g. "
+                   "GGML_CUDA_NO_PINNED): there is no pinned source to copy from";
+        } else {
+            // non-zero bytes, so that no layer can take a shortcut on zero pages
+            memset(ggml_backend_buffer_get_base(host_buf), 0x5a, n);
+            pinned = time_copies(backend, dst, ggml_backend_buffer_get_base(host_buf), n, (size_t) params.reps);
+        }
+    } else {
+        note = "the device has no host buffer type (ggml_backend_dev_host_buffer_type returned NULL): "
+               "there is no pinned source to copy from";
     }
 
     pageable = malloc(n);
@@ -162,13 +173,13 @@ static bool probe_device(ggml_backend_dev_t dev, const probe_params & params) {
 
     printf("{\"device\": %s, \"description\": %s, \"bytes\": %zu, \"reps\": %d, ",
             json_str(name).c_str(), json_str(ggml_backend_dev_description(dev)).c_str(), n, params.reps);
-    if (host_buft) {
-        printf("\"host_buffer_type\": %s, \"pinned_gbps\": %.3f, \"pinned_min_gbps\": %.3f, \"pinned_max_gbps\": %.3f, ",
-                json_str(ggml_backend_buft_name(host_buft)).c_str(), pinned.median_gbps, pinned.min_gbps, pinned.max_gbps);
+    printf("\"host_buffer_type\": %s, ", host_buft ? json_str(ggml_backend_buft_name(host_buft)).c_str() : "null");
+    if (note == nullptr) {
+        printf("\"pinned_gbps\": %.3f, \"pinned_min_gbps\": %.3f, \"pinned_max_gbps\": %.3f, ",
+                pinned.median_gbps, pinned.min_gbps, pinned.max_gbps);
     } else {
-        printf("\"host_buffer_type\": null, \"pinned_gbps\": null, \"pinned_min_gbps\": null, \"pinned_max_gbps\": null, "
-               "\"note\": \"the device has no host buffer type (ggml_backend_dev_host_buffer_type returned NULL): "
-               "there is no pinned source to copy from\", ");
+        printf("\"pinned_gbps\": null, \"pinned_min_gbps\": null, \"pinned_max_gbps\": null, \"note\": %s, ",
+                json_str(note).c_str());
     }
     printf("\"pageable_gbps\": %.3f, \"pageable_min_gbps\": %.3f, \"pageable_max_gbps\": %.3f}\n",
             pageable_st.median_gbps, pageable_st.min_gbps, pageable_st.max_gbps);
