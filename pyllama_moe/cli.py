@@ -7,23 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from pyllama_moe.cli_args import add_build_args, add_source_args
 from pyllama_moe.errors import UserError
-
-
-def _add_source_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("source (default: download the pinned sdist into the cache)")
-    g.add_argument("--sdist", type=Path, help="use this llama-cpp-python sdist (verified against the pin) instead of downloading")
-    g.add_argument("--llama-src", type=Path, help="use your own llama.cpp checkout of the pinned commit")
-
-
-def _add_build_args(p: argparse.ArgumentParser, variant_default: str | None = "patched") -> None:
-    from pyllama_moe.build import BACKENDS
-    from pyllama_moe.trees import VARIANTS
-
-    p.add_argument("--variant", choices=VARIANTS, default=variant_default, required=variant_default is None)
-    p.add_argument("--backend", choices=BACKENDS, default="cpu")
-    p.add_argument("--archive", type=Path, help="build from a `source pack` archive (its manifest is checked)")
-    _add_source_args(p)
 
 
 def cmd_source(args) -> int:
@@ -103,18 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", choices=("master", "patched"), default="patched", help="tree to pack")
     p.add_argument("-o", "--output", type=Path, help="archive path for `pack` (default: ./llama.cpp-<variant>.tar.gz)")
     p.add_argument("--json", action="store_true")
-    _add_source_args(p)
+    add_source_args(p)
     p.set_defaults(func=cmd_source)
 
     p = sub.add_parser("patches", help="apply the series to a scratch repo, export it back, or check it")
     p.add_argument("action", choices=("apply", "export", "check"))
     p.add_argument("--dir", type=Path, help="scratch repo (default: .work/llama.cpp in the project)")
     p.add_argument("--force", action="store_true", help="apply: replace an existing scratch repo")
-    _add_source_args(p)
+    add_source_args(p)
     p.set_defaults(func=cmd_patches)
 
     p = sub.add_parser("build", help="configure + build a variant (reused when its key is unchanged)")
-    _add_build_args(p)
+    add_build_args(p)
     p.add_argument("--targets", help="comma-separated ninja targets (default: libllama and the harness tools)")
     p.add_argument("-j", "--jobs", type=int)
     p.add_argument("--cuda-arch", default="90-real", help="CMAKE_CUDA_ARCHITECTURES for --backend cuda")
@@ -122,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("info", help="load a finished build through the checked loader and print what it is")
-    _add_build_args(p)
+    add_build_args(p)
     p.set_defaults(func=cmd_info)
 
     for register in _registries():

@@ -208,12 +208,12 @@ def cmd_demo(args) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser, variant: bool = False) -> None:
-    from pyllama_moe.cli import _add_build_args, _add_source_args
+    from pyllama_moe.cli_args import add_build_args, add_source_args
 
     if variant:
-        _add_build_args(p)
+        add_build_args(p)
     else:
-        _add_source_args(p)
+        add_source_args(p)
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing build")
     p.add_argument("-t", "--threads", type=int, help="CPU threads (default: min(4, cores))")
 
