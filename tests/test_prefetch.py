@@ -118,6 +118,17 @@ def test_prefetch_identical_and_ahead(patched_build, src, qwen3moe, master_ub512
     assert "host-weight prefetch on" in res.log
 
 
+def test_all_on_device_says_there_is_nothing_to_prefetch(patched_build, src, qwen3moe):
+    """Every weight on the (SIM) device: the reservation says there is nothing to prefetch, not "prefetch on ...
+    staging 0.00 MiB" (what every all-on-GPU run printed before)."""
+    model, tokens = qwen3moe
+    spec = runner.RunSpec(model=model, tokens=tokens[:64], n_ubatch=512, repack=False, threads=2, generate=2,
+                          env={**SIM_ENV, "GGML_SCHED_PREFETCH": "2"})
+    res = runner.run(patched_build, src, spec)
+    assert "host-weight prefetch: nothing to prefetch" in res.log
+    assert "host-weight prefetch on" not in res.log
+
+
 def test_prefetch_knobs_through_llama_moe(patched_build, src, qwen3moe, master_ub512):
     """The per-context setter of llama-moe.h beats the environment: mode 0 there leaves nothing prefetched."""
     env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
