@@ -17,7 +17,7 @@
 #             on the GPU (--limit-row) and the PCIe bound, mmap against -lm none
 #   rows-short  pp512 and tg128 with host experts against all on the GPU
 # or all of them as one detached pipeline that keeps the GPU busy between device calls, repeating
-#   follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (570)
+#   follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished" (a machine is given back 30 s after a call).
 # Threads: --pin-threads (one compute thread pinned per CPU but one: results/gpu-bench-stats.md says why).
 # REPS: repetitions per build and paced round (default 6). Results land in $OUT (or ./gpu-out).
@@ -36,17 +36,7 @@ bench() { # $1: seconds at most, then pyllama-moe bench arguments
 
 case $step in
 follow)
-    if [ ! -f $PIPE.pid ]; then
-        mkdir -p $PIPE
-        setsid env OUT=$PIPE bash -c "bash $0 all > $PIPE/pipeline.log 2>&1; echo \$? > $PIPE/pipeline.rc" \
-            > /dev/null 2>&1 < /dev/null &
-        echo $! > $PIPE.pid
-        echo "pipeline started"
-    fi
-    while [ ! -f $PIPE/pipeline.rc ] && [ $((SECONDS - T0)) -lt "${FOLLOW_S:-570}" ]; do sleep 5; done
-    tar czf "$OUT/pipeline.tgz" -C $PIPE . && cp $PIPE/pipeline.log "$OUT/"
-    tail -60 $PIPE/pipeline.log
-    [ -f $PIPE/pipeline.rc ] && echo "pipeline finished: exit $(cat $PIPE/pipeline.rc)"
+    follow_pipeline "$0" $PIPE 60
     ;;
 all)
     # most important first: a call that runs out of device time leaves the later steps undone, not half-read

@@ -40,3 +40,20 @@ wait_builds() { # $1: seconds since the script started to wait at most; 0 when b
     done
     grep -h "build .*/cuda: done" "$OUT"/build-*.log
 }
+
+follow_pipeline() { # $1: the step script, $2: the pipeline's own output folder, $3: lines of its log to show
+    # starts `$1 all` detached once (it outlives this device call), then follows it for up to FOLLOW_S seconds
+    local script=$1 pipe=$2
+    if [ ! -f $pipe.pid ]; then
+        mkdir -p $pipe
+        setsid env OUT=$pipe bash -c "bash $script all > $pipe/pipeline.log 2>&1; echo \$? > $pipe/pipeline.rc" \
+            > /dev/null 2>&1 < /dev/null &
+        echo $! > $pipe.pid
+        echo "pipeline started"
+    fi
+    while [ ! -f $pipe/pipeline.rc ] && [ $((SECONDS - T0)) -lt "${FOLLOW_S:-560}" ]; do sleep 5; done
+    # one archive: a device call returns only a few files from $OUT
+    tar czf "$OUT/pipeline.tgz" -C $pipe . && cp $pipe/pipeline.log "$OUT/"
+    tail -"$3" $pipe/pipeline.log
+    [ -f $pipe/pipeline.rc ] && echo "pipeline finished: exit $(cat $pipe/pipeline.rc)"
+}

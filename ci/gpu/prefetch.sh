@@ -21,18 +21,7 @@ PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, archived i
 
 case $step in
 follow)
-    if [ ! -f $PIPE.pid ]; then
-        mkdir -p $PIPE
-        setsid env OUT=$PIPE bash -c "bash $0 all > $PIPE/pipeline.log 2>&1; echo \$? > $PIPE/pipeline.rc" \
-            > /dev/null 2>&1 < /dev/null &
-        echo $! > $PIPE.pid
-        echo "pipeline started"
-    fi
-    while [ ! -f $PIPE/pipeline.rc ] && [ $((SECONDS - T0)) -lt "${FOLLOW_S:-560}" ]; do sleep 5; done
-    # one archive: a device call returns only a few files from $OUT
-    tar czf "$OUT/pipeline.tgz" -C $PIPE . && cp $PIPE/pipeline.log "$OUT/"
-    tail -40 $PIPE/pipeline.log
-    [ -f $PIPE/pipeline.rc ] && echo "pipeline finished: exit $(cat $PIPE/pipeline.rc)"
+    follow_pipeline "$0" $PIPE 40
     ;;
 all)
     # one step after the other; builds may take longer than one call here, nothing else competes for the GPU
