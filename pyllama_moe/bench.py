@@ -60,7 +60,7 @@ class BenchRow:
     samples: list[Sample] = field(default_factory=list)
 
     def kept(self, side: str) -> list[float]:
-        return [s.ts for s in self.samples if s.side == side and not s.discarded]
+        return [ts for block in self.blocks(side).values() for ts in block]
 
     def block_means(self, side: str) -> dict[int, float]:
         blocks = self.blocks(side)
@@ -278,14 +278,11 @@ def _round_note(row: BenchRow) -> str:
 
 
 def _stop_reason(result: BenchResult, plan: BenchPlan, done: int) -> str:
-    if done < plan.rounds:
-        if plan.max_seconds is not None and result.seconds + _last_round_seconds(result) > plan.max_seconds:
-            return f"time budget: {result.seconds:.0f} s of {plan.max_seconds:.0f} s spent after {done} rounds"
-        return ""
-    if plan.target_ci is None:
-        return f"{done} rounds"
-    if all(plan_ok for plan_ok in result.converged(plan.target_ci).values()):
-        return f"every interval within +/-{plan.target_ci:.1%} after {done} rounds"
+    if done >= plan.rounds:
+        if plan.target_ci is None:
+            return f"{done} rounds"
+        if all(result.converged(plan.target_ci).values()):
+            return f"every interval within +/-{plan.target_ci:.1%} after {done} rounds"
     if plan.max_seconds is not None and result.seconds + _last_round_seconds(result) > plan.max_seconds:
         return f"time budget: {result.seconds:.0f} s of {plan.max_seconds:.0f} s spent after {done} rounds"
     return ""

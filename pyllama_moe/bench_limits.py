@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -80,6 +81,7 @@ def limit_shares(result: BenchResult, field: str, value: str) -> dict[str, dict]
     return out
 
 
+@functools.lru_cache(maxsize=None)  # the JSON and the table are rewritten every round; the header is read once
 def host_upload_bytes(model: Path, n_cpu_moe: int, n_gpu_layers: int) -> int:
     """Bytes of matrix weights in host memory that a large ubatch uploads: the experts of the first
     `n_cpu_moe` layers and every matrix of the layers `-ngl` leaves on the CPU (llama.cpp counts the output
@@ -155,18 +157,16 @@ def run_copy_probe(builds: dict[str, Build], mib: int = 512) -> dict | None:
 def pcie_columns(result: BenchResult, model: Path, probes: list[dict]) -> dict[str, dict]:
     """Per row label: the bound in t/s and each build's share of it (median over its kept samples)."""
     gbps = statistics.fmean(p["pinned_gbps"] for p in probes)
-    cache: dict[tuple, int] = {}
     out = {}
     for row in result.rows.values():
         ngl = row.fields.get("n_gpu_layers")
-        placement = (row.fields.get("n_cpu_moe") or 0, -1 if ngl is None else ngl)  # llama-bench's default: -1
-        if placement not in cache:
-            cache[placement] = host_upload_bytes(model, *placement)
-        bound = pcie_bound(row.fields, cache[placement], gbps)
+        host_bytes = host_upload_bytes(Path(model), row.fields.get("n_cpu_moe") or 0,
+                                       -1 if ngl is None else ngl)  # llama-bench's default -ngl: -1
+        bound = pcie_bound(row.fields, host_bytes, gbps)
         if bound is None:
             continue
         medians = {side: row.median(side) for side in SIDES}
-        out[row.label] = {"pcie_bound_ts": bound, "pcie_host_bytes": cache[placement], "pcie_gbps": gbps,
+        out[row.label] = {"pcie_bound_ts": bound, "pcie_host_bytes": host_bytes, "pcie_gbps": gbps,
                           **{f"pcie_share_{side}": (m / bound if m else None) for side, m in medians.items()}}
     return out
 

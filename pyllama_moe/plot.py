@@ -45,7 +45,9 @@ def load_tests(paths: list[Path]) -> tuple[list[dict], dict]:
     return tests, _merge_meta(paths, metas)
 
 
-def _read_file(path: Path) -> tuple[dict, list[dict]]:
+def _read_file(path: Path, normalize: bool = True) -> tuple[dict, list[dict]]:
+    """Meta and tests of one bench file, refused with one message if it is not one; the tests normalized
+    (see `_normalize`) or, for the samples picture, as written."""
     try:
         data = json.loads(path.read_text())
         meta = data.get("meta") or {}
@@ -55,7 +57,7 @@ def _read_file(path: Path) -> tuple[dict, list[dict]]:
         if schema not in SCHEMAS:
             raise UserError(f"{path} has schema {schema!r}; this plot knows {SCHEMAS}",
                             "update pyllama_moe to the version of the bench that wrote it")
-        return meta, [_normalize(t, path) for t in data["tests"]]
+        return meta, [_normalize(t, path) for t in data["tests"]] if normalize else data["tests"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"{path} {NOT_BENCH} ({exc})", NOT_BENCH_FIX) from exc
 
@@ -276,8 +278,8 @@ def samples_figure(path: Path, title: str = ""):
     hides (a machine warming up, drift, one slow process) and which samples the statistics left out."""
     from matplotlib.figure import Figure
 
-    meta, _ = _read_file(path)  # refuses what is not a bench file, with the usual message
-    tests = [t for t in json.loads(path.read_text())["tests"] if isinstance(t.get("samples"), list) and t["samples"]]
+    meta, tests = _read_file(path, normalize=False)
+    tests = [t for t in tests if isinstance(t, dict) and isinstance(t.get("samples"), list) and t["samples"]]
     if meta.get("schema") != 2 or not tests:
         raise UserError(f"{path} has no per-sample records (schema 2)", "pass a file that bench wrote with --json")
     names = (meta.get("baseline_name") or "baseline", meta.get("candidate_name") or "candidate")
