@@ -20,7 +20,7 @@
 #   follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished" (a machine is given back 30 s after a call).
 # Threads: --pin-threads (one compute thread pinned per CPU but one: results/gpu-bench-stats.md says why).
-# REPS: repetitions per build and paced round (default 6). Results land in $OUT (or ./gpu-out).
+# REPS: repetitions per build and paced round (default 4: the process effect, not the repetition, dominates). Results land in $OUT (or ./gpu-out).
 set -uo pipefail
 step=${1:?usage: bench-stats.sh build|study|target|planted|self|rows|rows-short|all|follow}
 . "$(dirname "$0")/common.sh"
@@ -28,7 +28,7 @@ PIPE=/tmp/plm-bench-pipeline
 export TARGETS_master=llama-bench TARGETS_patched=llama-bench,llama-moe-copy-probe
 HOST="-ngl 99 -ncmoe 48 -lm none"
 ALL_CPUS=$(printf '0x%x' $(( (1 << $(nproc)) - 1 )))
-PACED="--paced --pin-threads --warmup-rounds 1 --reps ${REPS:-6} --discard 1 --target-ci 0.03 --rounds 5"
+PACED="--paced --pin-threads --warmup-rounds 1 --reps ${REPS:-4} --discard 1 --target-ci 0.03 --rounds 5"
 bench() { # $1: seconds at most, then pyllama-moe bench arguments
     local limit=$1; shift
     timeout "$limit" python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A "$@"
@@ -72,11 +72,11 @@ target)
 planted)
     wait_builds 60 || exit 1
     bench 420 --baseline patched --candidate patched --candidate-env LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 $PACED \
-        --max-seconds 300 --json "$OUT/planted-tg128.json" -- -p 0 -n 128 $HOST 2>&1 | tee "$OUT/planted-tg128.txt"
+        --max-seconds 240 --json "$OUT/planted-tg128.json" -- -p 0 -n 128 $HOST 2>&1 | tee "$OUT/planted-tg128.txt"
     ;;
 self)
     wait_builds 60 || exit 1
-    bench 420 --baseline master --candidate master $PACED --max-seconds 300 --json "$OUT/self-tg128.json" \
+    bench 420 --baseline master --candidate master $PACED --max-seconds 240 --json "$OUT/self-tg128.json" \
         -- -p 0 -n 128 $HOST 2>&1 | tee "$OUT/self-tg128.txt"
     ;;
 rows)
