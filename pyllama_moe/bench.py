@@ -234,6 +234,24 @@ def llama_bench_rounds(builds: dict[str, Build], plan: BenchPlan) -> RoundRunner
     return run
 
 
+def _cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (the `cpu` line of /proc/stat), None where there is no such file."""
+    try:
+        with open("/proc/stat") as fh:
+            return [int(v) for v in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def _steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of CPU time the hypervisor gave to others between two readings (field 8 of /proc/stat's cpu line):
+    on a virtual machine, the first suspect when a round is slow on both sides."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
+
+
 def ab_bench(builds: dict[str, Build], plan: BenchPlan, on_round: Callable[[BenchResult], None] | None = None,
              runner: RoundRunner | None = None) -> BenchResult:
     """Rounds until the plan says stop (default runner: one llama-bench process per build and round);
@@ -247,12 +265,15 @@ def ab_bench(builds: dict[str, Build], plan: BenchPlan, on_round: Callable[[Benc
         warmup = rnd < plan.warmup_rounds
         # ABBA counted from the first measured round, so any even number of measured rounds is balanced
         order = SIDES if (rnd - plan.warmup_rounds) % 2 == 0 else SIDES[::-1]
+        cpu_before = _cpu_times()
         measured = run_round(order)
+        steal = _steal_share(cpu_before, _cpu_times())
         for side in order:
             entries, _ = measured[side]
             _add_invocation(result, entries, side, rnd, 2 * rnd + order.index(side), plan.reps if warmup else plan.discard)
         result.rounds.append({"round": rnd, "order": list(order), "warmup": warmup,
-                              "seconds": {side: round(measured[side][1], 2) for side in order}})
+                              "seconds": {side: round(measured[side][1], 2) for side in order},
+                              "steal": None if steal is None else round(steal, 4)})
         rnd += 1
         if warmup:
             say(f"warm-up round {rnd}/{plan.warmup_rounds} done (left out of the statistics)")
@@ -260,7 +281,8 @@ def ab_bench(builds: dict[str, Build], plan: BenchPlan, on_round: Callable[[Benc
             continue
         result.seconds = time.monotonic() - started
         done = rnd - plan.warmup_rounds
-        say(f"round {done}: " + "; ".join(_round_note(row) for row in result.rows.values()))
+        stolen = f" (CPU steal {steal:.1%})" if steal else ""
+        say(f"round {done}: " + "; ".join(_round_note(row) for row in result.rows.values()) + stolen)
         if on_round:
             on_round(result)
         reason = _stop_reason(result, plan, done)

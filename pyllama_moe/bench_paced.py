@@ -62,7 +62,16 @@ def spec_fields(spec: paced.PacedSpec) -> dict:
             "flash_attn": spec.flash_attn}
 
 
-def paced_rounds(builds: dict[str, Build], plan: BenchPlan) -> RoundRunner:
+DEFAULT_CHUNK = 16  # tokens per tg-more: ~0.4 s at 40 t/s, below the seconds over which decode drifts
+
+
+def paced_rounds(builds: dict[str, Build], plan: BenchPlan, chunk: int = DEFAULT_CHUNK) -> RoundRunner:
+    """Paced rounds of the one test in plan.bench_args. A generation test is measured in chunks of `chunk`
+    tokens alternating between the builds (0: whole repetitions alternate), so both builds' samples span the
+    same seconds: on the GPU machine decode rates jump by 10-20% from one 3-second repetition to the next
+    (results/gpu-bench-stats.md), on both builds at once."""
+    if chunk < 0:
+        raise UserError(f"--paced-chunk {chunk} is negative", "give a token count, or 0 to alternate whole repetitions")
     spec = parse_spec(plan.model, plan.bench_args)
     exes = {side: paced.ensure_tool(builds[side]) for side in SIDES}  # compile before the first round
     kind = "pp" if spec.n_prompt else "tg"
@@ -82,10 +91,23 @@ def paced_rounds(builds: dict[str, Build], plan: BenchPlan) -> RoundRunner:
                 procs[side].run(warmup, REP_TIMEOUT_S)
                 check_planted_slowdown(plan.env.get(side), procs[side].log_path.read_text(errors="replace"),
                                        f"the paced driver of the {builds[side].variant} build")
+            step = 0  # A B B A over the whole round, repetition or chunk
             for rep in range(plan.reps):
-                for side in (order if rep % 2 == 0 else order[::-1]):
+                if kind == "tg" and 0 < chunk < spec.n_gen:
+                    ns = dict.fromkeys(order, 0)
+                    for side in order:
+                        procs[side].run("tg-start", REP_TIMEOUT_S)
+                    for done in range(0, spec.n_gen, chunk):
+                        for side in (order if step % 2 == 0 else order[::-1]):
+                            ns[side] += procs[side].run(f"tg-more {min(chunk, spec.n_gen - done)}", REP_TIMEOUT_S)["ns"]
+                        step += 1
+                    for side in order:
+                        samples[side].append(spec.n_gen / (ns[side] / 1e9))
+                    continue
+                for side in (order if step % 2 == 0 else order[::-1]):
                     reply = procs[side].run(kind, REP_TIMEOUT_S)
                     samples[side].append(reply["n_tokens"] / (reply["ns"] / 1e9))
+                step += 1
         finally:
             for proc in procs.values():
                 proc.close()

@@ -135,6 +135,7 @@ def run_bench(args, model: Path) -> str:
             "reps": args.reps, "discard": args.discard, "rounds_min": args.rounds, "warmup_rounds": args.warmup_rounds,
             "target_ci": args.target_ci,
             "max_seconds": args.max_seconds, "env": plan.env, "limit_row": args.limit_row, "paced": args.paced,
+            "paced_chunk": args.paced_chunk if args.paced else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def extras(result) -> tuple[dict, dict]:
@@ -152,7 +153,7 @@ def run_bench(args, model: Path) -> str:
     if args.paced:
         from pyllama_moe import bench_paced
 
-        runner = bench_paced.paced_rounds(builds, plan)
+        runner = bench_paced.paced_rounds(builds, plan, args.paced_chunk)
     result = bench.ab_bench(builds, plan, on_round=save, runner=runner)
     if args.pcie_bound and probes:
         probes += [p for p in [bench_limits.run_copy_probe(builds)] if p]  # before and after: drift shows
@@ -202,6 +203,7 @@ def cmd_demo(args) -> int:
     args.bench_args, args.rounds, args.reps, args.discard, args.warmup_rounds = None, 2, 3, 1, 0
     args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = None
     args.pcie_bound = args.paced = args.pin_threads = False
+    args.paced_chunk = 0
     print("\nA/B llama-bench on the CPU (ratios only; absolute numbers mean something on the GPU machine):")
     print(run_bench(args, model))
     return rc
@@ -272,6 +274,9 @@ def register(sub) -> None:
     p.add_argument("--paced", action="store_true",
                    help="both builds loaded at once per round, repetitions alternating (one test; tools/paced-bench "
                         "instead of llama-bench; needs memory for two copies of the model)")
+    p.add_argument("--paced-chunk", type=int, default=16, metavar="N",
+                   help="with --paced, a generation test alternates the builds every N tokens of each repetition "
+                        "(default 16; 0: whole repetitions alternate)")
     p.add_argument("--limit-row", metavar="FIELD=VALUE",
                    help="show each row's share of the row that differs only in FIELD (e.g. n_cpu_moe=0: all on the GPU)")
     p.add_argument("--pcie-bound", action="store_true",

@@ -8,6 +8,8 @@ failure reaches the caller as a UserError that says what happened.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pyllama_moe import models, paced
@@ -134,3 +136,28 @@ def test_a_late_answer_stops_the_process(model, tools, tmp_path):
         with pytest.raises(UserError, match="did not answer within"):
             proc.run("pp 4000", timeout=0.001)
         assert proc.proc.poll() is not None  # its answer can no longer pair with a later command
+
+
+def test_a_generation_in_chunks_continues_where_the_last_chunk_stopped(model, tools):
+    def cells_left(proc):
+        with pytest.raises(UserError, match="the context left") as refused:
+            proc.run("tg-more 1000000")
+        return int(re.search(r"at most (\d+)", str(refused.value)).group(1))
+
+    with paced.PacedProcess(tools["master"], _spec(model)) as proc:
+        proc.wait_ready(300)
+        with pytest.raises(UserError, match="send tg-start first"):
+            proc.run("tg-more 2")
+        assert proc.run("tg-start") == {"kind": "tg-start", "n_tokens": 0, "ns": 0}
+        n_ctx = cells_left(proc)
+        _check(proc.run("tg-more 3"), "tg-more", 3)
+        _check(proc.run("tg-more 60"), "tg-more", 60)
+        assert cells_left(proc) == n_ctx - 63  # the chunks continue one generation
+        assert proc.run("tg-start")["kind"] == "tg-start"
+        assert cells_left(proc) == n_ctx  # and a new one starts from an empty memory
+        with pytest.raises(UserError, match="bad token count"):
+            proc.run("tg-more x")
+        _check(proc.run("tg 1"), "tg", 1)
+        with pytest.raises(UserError, match="send tg-start first"):  # a whole test ends the chunked one
+            proc.run("tg-more 1")
+    assert proc.returncode == 0

@@ -259,3 +259,12 @@ def test_measured_rounds_start_abba_after_warmup_and_a_missing_plant_is_refused(
 def test_limit_row_values_match_booleans():
     assert bench_limits._same_value(True, "1") and bench_limits._same_value(False, "false")
     assert not bench_limits._same_value(False, "1") and bench_limits._same_value(0, "0")
+
+
+def test_steal_share_of_a_round():
+    # /proc/stat's cpu line: user nice system idle iowait irq softirq steal [guest guest_nice]
+    before = [100, 0, 50, 800, 0, 0, 0, 50, 0, 0]
+    after = [400, 0, 100, 1150, 0, 0, 0, 150, 0, 0]
+    assert bench._steal_share(before, after) == pytest.approx(100 / 800)
+    assert bench._steal_share(None, after) is None and bench._steal_share(before, before) is None
+    assert bench._steal_share([1, 2, 3], [4, 5, 6]) is None  # a kernel too old to count steal

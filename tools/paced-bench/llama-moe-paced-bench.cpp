@@ -8,6 +8,10 @@
 // Protocol: `ready` on stdout once loaded, then one JSON line per stdin line:
 //   pp [N]  -> {"kind": "pp", "n_tokens": N, "ns": T}   (N defaults to -p)
 //   tg [N]  -> {"kind": "tg", "n_tokens": N, "ns": T}   (N defaults to -n)
+//   tg-start   -> {"kind": "tg-start", "n_tokens": 0, "ns": 0}: clears the memory for a generation in chunks
+//   tg-more K  -> {"kind": "tg-more", "n_tokens": K, "ns": T}: K more tokens of that generation, timed alone.
+//                 A caller alternating the chunks of two processes pairs their samples within a second
+//                 instead of within a whole repetition.
 //   other   -> {"error": "..."}, and the process keeps serving
 //   quit or end of input -> exit 0 (no reply)
 
@@ -175,6 +179,7 @@ struct paced_state {
     llama_token        bos;
     std::vector<llama_token> tokens;
     ggml_threadpool *  threadpool;
+    int                gen_pos = -1; // next position of a chunked generation; -1: no tg-start since the last test
 };
 
 // one batch of sequence 0 at positions pos0.., logits for the last token only, as llama-bench's batches
@@ -196,6 +201,7 @@ static int decode(paced_state & st, int n, llama_pos pos0) {
 // same tokens.
 static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) {
     llama_memory_clear(llama_get_memory(st.ctx), false);
+    st.gen_pos = -1;
     ggml_threadpool_resume(st.threadpool);
     int res = 0;
     const auto t0 = std::chrono::steady_clock::now();
@@ -225,6 +231,26 @@ static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) 
     return res;
 }
 
+// tg-more: the next n_tokens of the generation tg-start began, one token per decode as in run_test; the
+// memory keeps the earlier chunks, so the chunks of one generation decode exactly what `tg N` decodes
+static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns) {
+    ggml_threadpool_resume(st.threadpool);
+    int res = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n_tokens && res == 0; i++) {
+        if (st.gen_pos == 0) {
+            st.tokens[0] = st.add_bos ? st.bos : std::rand() % st.n_vocab;
+        }
+        res = decode(st, 1, st.gen_pos);
+        llama_synchronize(st.ctx);
+        st.tokens[0] = std::rand() % st.n_vocab;
+        st.gen_pos++;
+    }
+    ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    ggml_threadpool_pause(st.threadpool);
+    return res;
+}
+
 static void reply_error(const std::string & msg) {
     std::string out; // a JSON string: the message may quote the command
     for (char c : msg) {
@@ -248,10 +274,36 @@ static void serve(paced_state & st, const paced_params & p) {
         if ((line.empty() && c == EOF) || kind == "quit") {
             return;
         }
+        if (kind == "tg-start") {
+            llama_memory_clear(llama_get_memory(st.ctx), false);
+            st.gen_pos = 0;
+            printf("{\"kind\": \"tg-start\", \"n_tokens\": 0, \"ns\": 0}\n");
+            fflush(stdout);
+            continue;
+        }
+        if (kind == "tg-more") {
+            int k = 0;
+            if (st.gen_pos < 0) {
+                reply_error("'" + line + "' continues no generation: send tg-start first");
+            } else if (!parse_int(line.c_str() + kind.size(), 1, k) || k > st.n_ctx - st.gen_pos) {
+                reply_error("bad token count in '" + line + "': a positive integer of at most " +
+                            std::to_string(st.n_ctx - st.gen_pos) + " (the context left), e.g. tg-more 16");
+            } else {
+                uint64_t ns = 0;
+                if (const int res = run_gen_chunk(st, k, ns)) {
+                    st.gen_pos = -1;
+                    reply_error("decode failed in '" + line + "' (llama_process returned " + std::to_string(res) + "): rerun with -v for llama.cpp's log");
+                } else {
+                    printf("{\"kind\": \"tg-more\", \"n_tokens\": %d, \"ns\": %" PRIu64 "}\n", k, ns);
+                    fflush(stdout);
+                }
+            }
+            continue;
+        }
         const bool prompt = kind == "pp";
         int n = prompt ? p.n_prompt : p.n_gen;
         if (!prompt && kind != "tg") {
-            reply_error("unknown command '" + line + "': use pp [N], tg [N] or quit");
+            reply_error("unknown command '" + line + "': use pp [N], tg [N], tg-start, tg-more K or quit");
             continue;
         }
         if (line.size() > 2 ? !parse_int(line.c_str() + 3, 1, n) : n == 0) {
