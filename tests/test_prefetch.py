@@ -63,14 +63,21 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
     # slow computes, fast copies: an upload that does not wait for the previous graph lands under its last read
     # (poison off: SIM's poison fill of newly allocated tensors waits for the device, which would hide it)
     ("small-then-large", {"GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000", "GGML_SIM_POISON": "0"}),
+    # issue 10: the retries of one procedure (each aborted, computed wrong or shrank the wrong arena before it)
+    ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.75"}),  # 4 slots do not fit next to the larger graph, 2 do
+    ("headroom-at-alloc", {}),
+    ("other-buffer-fails", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "2"}),
+    ("small-only", {}),
 ])
 def test_hazard_handled(hazards, case, env):
     proc = _hazard(hazards, case, **env)
     assert proc.returncode == 0 and proc.stdout.startswith(f"ok {case}"), proc.stdout + proc.stderr[-3000:]
     if case in ("arena-too-large", "headroom"):
         assert "host-weight prefetch disabled on SIM0" in proc.stderr  # said once, with the reason
-    if case == "shrink":  # 4 slots do not fit, 2 do: the prefetch stays on with 2
+    if case in ("shrink", "reserve-then-larger"):  # 4 slots do not fit, 2 do: the prefetch stays on with 2
         assert "depth 4 reduced to 2" in proc.stderr and "disabled" not in proc.stderr
+    if case == "other-buffer-fails":
+        assert "reduced" not in proc.stderr and "disabled" not in proc.stderr
 
 
 @pytest.mark.parametrize("case,env", [
@@ -127,6 +134,34 @@ def test_all_on_device_says_there_is_nothing_to_prefetch(patched_build, src, qwe
     res = runner.run(patched_build, src, spec)
     assert "host-weight prefetch: nothing to prefetch" in res.log
     assert "host-weight prefetch on" not in res.log
+
+
+def test_small_ubatches_get_no_staging_and_say_why(patched_build, master_build, src, qwen3moe):
+    """n_ubatch below the min batch: nothing is ever uploaded ahead, so no staging slots are allocated (issue 10,
+    item 4), the reservation says why, and the logits are master's at the same ubatch."""
+    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
+    res = runner.run(patched_build, src, _spec(*qwen3moe, ubatch=128, env=env, stats=True))
+    assert res.logits_sha256 == runner.run(master_build, src, _spec(*qwen3moe, ubatch=128)).logits_sha256
+    assert res.stats["prompt"]["prefetch_arena_bytes"] == 0 and res.stats["prompt"]["n_prefetch_uploads"] == 0
+    assert "nothing to prefetch (batches of 128 tokens are below the min batch of 256" in res.log, res.log[-3000:]
+
+
+@pytest.mark.parametrize("headroom_mib, says", [
+    # 13.5 MiB of SIM0: the compute buffer fits next to 2 slots, not 4 (model 1.9, KV 1.5, compute 8.5 + staging)
+    ("0", "host-weight prefetch on: depth 2 (reduced: see above)"),
+    # the default headroom of 512 MiB: dropped, and the reservation line gives that reason, not a guess
+    ("512", "host-weight prefetch off: dropped: "),
+])
+def test_the_reservation_line_tells_the_effective_depth_or_the_reason(patched_build, src, qwen3moe, master_ub512,
+                                                                      headroom_mib, says):
+    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2", "GGML_SIM_MEMORY_MIB": "13.5",
+           "GGML_SCHED_PREFETCH_HEADROOM_MIB": headroom_mib}
+    res = runner.run(patched_build, src, _spec(*qwen3moe, env=env))
+    assert res.logits_sha256 == master_ub512.logits_sha256
+    line = next(ln for ln in res.log.splitlines() if "sched_reserve" in ln and "host-weight prefetch" in ln)
+    assert says in line, res.log[-3000:]
+    if headroom_mib == "512":
+        assert "less than the headroom of 512.0 MiB" in line
 
 
 def test_prefetch_knobs_through_llama_moe(patched_build, src, qwen3moe, master_ub512):

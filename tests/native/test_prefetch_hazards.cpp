@@ -3,7 +3,8 @@
 // slow copies so that a copy issued too early or left running is visible, and poison on.
 //
 //   test_prefetch_hazards CASE      CASE: baseline | input-view | graph-writes-weight | arena-too-large |
-//                                         headroom | abort | small-batch | shrink | small-then-large
+//                                         headroom | abort | small-batch | shrink | small-then-large |
+//                                         reserve-then-larger | headroom-at-alloc | other-buffer-fails | small-only
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -191,6 +192,14 @@ static int two_splits(const std::string & name, int min_batch, bool expect_ahead
     fixture f;
     if (!f.init(prefetch_on(min_batch, depth))) {
         return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    if (!expect_ahead) {
+        // a graph below min_batch only binds into slots a larger one made: reserve one first, as llama.cpp does
+        ggml_tensor * xl = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, min_batch);
+        ggml_set_input(xl);
+        if (!ggml_backend_sched_reserve(f.sched, f.graph_of(f.mm(f.w2, f.mm(f.w1, xl))))) {
+            return fail(name, "reserve of the large graph failed");
+        }
     }
     ggml_tensor * x = f.input_x();
     ggml_tensor * y1 = f.mm(f.w1, x);
@@ -422,6 +431,159 @@ static int small_then_large(const std::string & name) {
     return 0;
 }
 
+// y = w2 (w1 x) for `tokens` tokens of x, computed on the host in blocks of M tokens (what matmul() takes)
+static std::vector<float> want_chain(const std::vector<float> & x, int64_t tokens) {
+    std::vector<float> want(N * tokens);
+    for (int64_t t0 = 0; t0 < tokens; t0 += M) {
+        const std::vector<float> block(x.begin() + K * t0, x.begin() + K * (t0 + M));
+        const std::vector<float> y = matmul(weight_values(2), matmul(weight_values(1), block, N), N);
+        std::copy(y.begin(), y.end(), want.begin() + N * t0);
+    }
+    return want;
+}
+
+// computes y = w2 (w1 x) for `tokens` tokens through alloc_graph and graph_compute and checks the result and
+// the memory accounting; "" or why not
+static std::string compute_chain(fixture & f, int64_t tokens) {
+    ggml_tensor * x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, tokens);
+    ggml_set_input(x);
+    ggml_tensor * y = f.mm(f.w2, f.mm(f.w1, x));
+    ggml_cgraph * gf = f.graph_of(y);
+    const std::string alloc_error = f.alloc(gf);
+    if (!alloc_error.empty()) {
+        return alloc_error;
+    }
+    std::vector<float> xv(K * tokens);
+    for (size_t i = 0; i < xv.size(); i++) {
+        xv[i] = 0.125f * (float) ((i % 5) + 1);
+    }
+    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+    if (ggml_backend_sched_graph_compute(f.sched, gf) != GGML_STATUS_SUCCESS) {
+        return "compute failed";
+    }
+    std::string why;
+    return close_to(f.get(y), want_chain(xv, tokens), why) ? "" : why;
+}
+
+// a graph reserved at M tokens, then one of 8 M: with GGML_SIM_MEMORY_MIB set so that the larger compute buffer
+// fits next to two slots but not four, the reservation inside alloc_graph fails once and must be retried from a
+// clean reservation (a retry that only allocates places tensors into the buffer the failed reservation freed)
+static int reserve_then_larger(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on(32, 4))) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    ggml_tensor * x = f.input_x();
+    if (!ggml_backend_sched_reserve(f.sched, f.graph_of(f.mm(f.w2, f.mm(f.w1, x))))) {
+        return fail(name, "reserve of the small graph failed");
+    }
+    const std::string err = compute_chain(f, 8 * M);
+    if (!err.empty()) {
+        return fail(name, err);
+    }
+    const char * why_off = nullptr;
+    const int depth = ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, &why_off);
+    if (depth != 2) {
+        return fail(name, "depth " + std::to_string(depth) + " after the retry, expected 2" + (why_off ? std::string(": ") + why_off : ""));
+    }
+    printf("ok %s: depth 2 after the larger graph\n", name.c_str());
+    return 0;
+}
+
+// the headroom check inside alloc_graph, with no reserve before it (a plain graph_compute): the device has less
+// than the headroom free once the arena is made, so the prefetch is dropped after the first reservation, and the
+// retry must lay out the whole graph again, not only the copies that left the arena
+static int headroom_at_alloc(const std::string & name) {
+    fixture f;
+    ggml_backend_sched_prefetch_params p = prefetch_on();
+    p.headroom = (size_t) 1 << 40; // more than any device has
+    if (!f.init(p)) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    for (int rep = 0; rep < 2; rep++) {
+        const std::string err = compute_chain(f, 2 * M);
+        if (!err.empty()) {
+            return fail(name, "computation " + std::to_string(rep) + ": " + err);
+        }
+        ggml_backend_sched_reset(f.sched);
+    }
+    const char * why_off = nullptr;
+    if (ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, &why_off) != 0 || why_off == nullptr ||
+        strstr(why_off, "headroom") == nullptr) {
+        return fail(name, std::string("the prefetch was expected to be dropped for the headroom: ") + (why_off ? why_off : "still on"));
+    }
+    printf("ok %s: %s\n", name.c_str(), why_off);
+    return 0;
+}
+
+// a compute buffer that fails on a backend with no staging arena (a second device here; the CPU in general) is
+// not the arena's fault: the reservation fails without shrinking or dropping the prefetch of the other device
+static int other_buffer_fails(const std::string & name) {
+    ggml_backend_dev_t dev0 = ggml_backend_dev_by_name("SIM0");
+    ggml_backend_dev_t dev1 = ggml_backend_dev_by_name("SIM1");
+    if (dev0 == nullptr || dev1 == nullptr) {
+        return fail(name, "no SIM0 and SIM1: run with GGML_SIM_DEVICES=2");
+    }
+    fixture f;
+    if (!f.init(prefetch_on(32, 4))) {
+        return fail(name, "no SIM0 device");
+    }
+    ggml_backend_t sim1 = ggml_backend_dev_init(dev1, nullptr);
+    ggml_backend_t backends[3] = { f.sim, sim1, f.cpu };
+    ggml_backend_sched_free(f.sched);
+    f.sched = ggml_backend_sched_new(backends, nullptr, 3, 1024, false, true);
+    ggml_backend_sched_set_prefetch(f.sched, prefetch_on(32, 4));
+
+    ggml_tensor * x = f.input_x();
+    ggml_tensor * y = f.mm(f.w2, f.mm(f.w1, x));                        // SIM0 reads the host weights
+    ggml_tensor * big = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, K, 64 * M); // 4 MiB copied to SIM1
+    ggml_set_input(big);
+    ggml_tensor * z = ggml_scale(f.ctx_g, big, 2.0f);
+    ggml_backend_sched_set_tensor_backend(f.sched, z, sim1);
+    ggml_cgraph * g = ggml_new_graph(f.ctx_g);
+    ggml_set_output(y);
+    ggml_set_output(z);
+    ggml_build_forward_expand(g, y);
+    ggml_build_forward_expand(g, z);
+    const bool reserved = ggml_backend_sched_reserve(f.sched, g);
+    const bool still_on = ggml_backend_sched_prefetch_enabled(f.sched, f.sim);
+    const int  depth    = ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, nullptr);
+    ggml_backend_sched_free(f.sched);
+    f.sched = nullptr;
+    ggml_backend_free(sim1);
+    if (reserved) {
+        return fail(name, "the reservation succeeded: SIM1's buffer was expected not to fit (GGML_SIM_MEMORY_MIB)");
+    }
+    if (!still_on || depth != 4) {
+        return fail(name, "SIM1's failure changed SIM0's prefetch: " + std::string(still_on ? "on" : "off") +
+                          ", depth " + std::to_string(depth));
+    }
+    printf("ok %s: the reservation failed, SIM0 kept depth 4\n", name.c_str());
+    return 0;
+}
+
+// graphs that are all below min_batch (a context with a small n_ubatch) upload nothing ahead: no arena
+static int small_only(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on(M + 1, 4))) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    const std::string err = compute_chain(f, M);
+    if (!err.empty()) {
+        return fail(name, err);
+    }
+    const char * why_off = nullptr;
+    if (ggml_backend_sched_get_prefetch_size(f.sched, f.sim) != 0 || ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, &why_off) != 0) {
+        return fail(name, "a graph below min_batch made a staging arena of " +
+                          std::to_string(ggml_backend_sched_get_prefetch_size(f.sched, f.sim)) + " bytes");
+    }
+    if (why_off == nullptr || strstr(why_off, "below the min batch") == nullptr) {
+        return fail(name, std::string("the reason given is not the batch size: ") + (why_off ? why_off : "(none)"));
+    }
+    printf("ok %s: %s\n", name.c_str(), why_off);
+    return 0;
+}
+
 static bool abort_now(void * data) {
     return *(bool *) data;
 }
@@ -475,7 +637,8 @@ static int abort_mid_graph(const std::string & name) {
 
 int main(int argc, char ** argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s baseline|small-batch|shrink|input-view|graph-writes-weight|arena-too-large|headroom|abort|small-then-large\n", argv[0]);
+        fprintf(stderr, "usage: %s baseline|small-batch|shrink|input-view|graph-writes-weight|arena-too-large|headroom|abort|small-then-large|"
+                        "reserve-then-larger|headroom-at-alloc|other-buffer-fails|small-only\n", argv[0]);
         return 2;
     }
     const std::string name = argv[1];
@@ -505,6 +668,18 @@ int main(int argc, char ** argv) {
     }
     if (name == "small-then-large") {
         return small_then_large(name);
+    }
+    if (name == "reserve-then-larger") {
+        return reserve_then_larger(name);
+    }
+    if (name == "headroom-at-alloc") {
+        return headroom_at_alloc(name);
+    }
+    if (name == "other-buffer-fails") {
+        return other_buffer_fails(name);
+    }
+    if (name == "small-only") {
+        return small_only(name);
     }
     fprintf(stderr, "unknown case %s\n", name.c_str());
     return 2;
