@@ -1,15 +1,11 @@
 """Run a GGUF with a chosen build: logits of every prompt position and greedy text.
 
-Each run is a fresh process (pyllama_moe.worker) whose LLAMA_CPP_LIB_PATH points at the build, so two
-builds never share a process and a crash in one is reported, not inherited.
+Each run is a fresh worker process (pyllama_moe.worker, mode "logits") whose LLAMA_CPP_LIB_PATH points at the
+build, so two builds never share a process and a crash in one is reported, not inherited.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +15,8 @@ import numpy as np
 from pyllama_moe import ffi
 from pyllama_moe.build import Build
 from pyllama_moe.errors import UserError
-from pyllama_moe.paths import PROJECT_ROOT
 from pyllama_moe.source import Source
+from pyllama_moe.worker import spawn
 
 
 @dataclass
@@ -64,14 +60,15 @@ def check_model(path: Path) -> Path:
 
 
 def worker_env(build: Build, src: Source, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker process on `build` with the sdist's llama_cpp package (spawn.worker_env)."""
+    return spawn.worker_env(build.bin_dir, _llama_cpp_pkg(src), extra)
+
+
+def _llama_cpp_pkg(src: Source) -> Path:
     if src.python_dir is None:
         raise UserError("the llama_cpp Python package comes from the sdist, but --llama-src was given",
                         "drop --llama-src or also pass --sdist")
-    env = dict(os.environ)
-    env["LLAMA_CPP_LIB_PATH"] = str(build.bin_dir)
-    env["PYTHONPATH"] = os.pathsep.join([str(src.python_dir), str(PROJECT_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(extra or {})
-    return env
+    return src.python_dir
 
 
 def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
@@ -85,23 +82,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "repack": spec.repack, "n_ubatch": spec.n_ubatch, "n_batch": spec.n_batch, "threads": spec.threads,
                "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None,
                "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch}
-        proc = subprocess.run([sys.executable, "-m", "pyllama_moe.worker"], input=json.dumps(req), text=True,
-                              capture_output=True, env=worker_env(build, src, spec.env))
-        reply = _parse_reply(proc.stdout)
-        if proc.returncode != 0 or "error" in reply:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
-            sys.stderr.write(tail + "\n")
-            raise UserError(f"{build.variant} build {build.key} failed on {model.name}: "
-                            f"{reply.get('error') or f'exit {proc.returncode}'}", "see the log lines above")
+        reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
+                                      env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits else None
-    return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), proc.stderr,
+    return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), log,
                      reply.get("stats"))
-
-
-def _parse_reply(stdout: str) -> dict:
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return {}

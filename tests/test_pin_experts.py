@@ -138,14 +138,14 @@ _TWO_CONTEXTS = textwrap.dedent("""
     lib_dir = Path(os.environ["LLAMA_CPP_LIB_PATH"])
     lib = ctypes.CDLL(str(lib_dir / "libllama.so"), mode=ctypes.RTLD_GLOBAL)
     import llama_cpp as L
-    from pyllama_moe.worker import _cpu_overrides
+    from pyllama_moe.worker.model import cpu_overrides
     assert lib.llama_moe_default_get_pin_experts() == 0           # LLAMA_MOE_PIN_EXPERTS=0
     lib.llama_moe_default_set_pin_experts(1)
     assert lib.llama_moe_default_get_pin_experts() == 1           # setter > environment
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = 99
-    overrides, _keep = _cpu_overrides({"cpu_moe": True}, lib_dir)
+    overrides, _keep = cpu_overrides({"cpu_moe": True}, lib_dir)
     mp.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
     model = L.llama_model_load_from_file(sys.argv[1].encode(), mp)
     cp = L.llama_context_default_params()

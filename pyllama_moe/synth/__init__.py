@@ -7,7 +7,7 @@
     writer     streams a model to GGUF (gguf package for header/metadata, raw chunks for the data)
     corpus     Zipf-distributed text in a model's vocabulary
     routes     per-layer expert-routing histogram measured with the real llama.cpp (child process:
-               probe.py runs probe_worker.py)
+               probe.py runs pyllama_moe.worker's "routes" mode)
     cli        the `synth`, `corpus` and `routes` verbs (register(subparsers))
 """
 

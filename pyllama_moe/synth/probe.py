@@ -1,17 +1,14 @@
-"""Parent side of probe_worker.py: check the inputs, run the worker in a child process, return its JSON."""
+"""Check a library folder and a llama_cpp package given by the user, then run a worker mode ("routes",
+"roundtrip") on them in a child process (pyllama_moe.worker) and return its JSON reply."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 from pyllama_moe.errors import UserError
+from pyllama_moe.worker.spawn import run_worker
 
-WORKER = Path(__file__).with_name("probe_worker.py")
 _LIB_NAMES = {"llama": ("libllama.so", "libllama.dylib", "llama.dll"),
               "ggml": ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll",
                        "libggml.so", "libggml.dylib", "ggml.dll")}
@@ -42,28 +39,16 @@ def check_pkg_parent(pkg_parent: str | os.PathLike) -> Path:
 
 
 def run_probe(mode: str, model: str | os.PathLike, lib_dir: str | os.PathLike, pkg_parent: str | os.PathLike,
-              *, timeout: float | None = None, **fields) -> dict:
+              *, timeout: float | None = None, n_gpu_layers: int = 0, **fields) -> dict:
+    """The reply of worker mode `mode` on `model` with the llama.cpp in `lib_dir` and the llama_cpp package in
+    `pkg_parent`; `fields` are the mode's request fields (see pyllama_moe/worker/mode_*.py)."""
     _, ggml = find_libs(lib_dir)
     pkg = check_pkg_parent(pkg_parent)
-    with tempfile.TemporaryDirectory(prefix="pyllama-moe-probe-") as tmp:
-        req = {"mode": mode, "model": str(Path(model).resolve()), "lib_dir": str(Path(lib_dir).resolve()),
-               "pkg_parent": str(pkg.resolve()), "ggml_base": str(ggml.resolve()),
-               "out": os.path.join(tmp, "result.json"), **fields}
-        req_file = os.path.join(tmp, "request.json")
-        with open(req_file, "w") as f:
-            json.dump(req, f)
-        env = dict(os.environ, LLAMA_CPP_LIB_PATH=req["lib_dir"])
-        try:
-            proc = subprocess.run([sys.executable, str(WORKER), req_file], capture_output=True, text=True,
-                                  timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            raise UserError(f"llama.cpp took over {timeout:.0f} s on {model}",
-                            "use a smaller model or fewer tokens, or raise the timeout") from None
-        if proc.returncode != 0 or not os.path.exists(req["out"]):
-            tail = (proc.stderr or "").strip().splitlines()[-12:]
-            how = f"exit code {proc.returncode}" if proc.returncode >= 0 else f"signal {-proc.returncode}"
-            raise UserError(
-                f"llama.cpp failed on {model} ({how}): " + " | ".join(tail),
-                "check that --lib and --llama-cpp-pkg are the same llama.cpp version and that the model is for it")
-        with open(req["out"]) as f:
-            return json.load(f)
+    req = {"model": str(Path(model).resolve()), "ggml_base": str(ggml.resolve()), "n_gpu_layers": n_gpu_layers,
+           **fields}
+    reply, _log = run_worker(
+        mode, req, lib_dir=Path(lib_dir).resolve(), llama_cpp_pkg=pkg.resolve(), timeout=timeout,
+        who=f"llama.cpp in {lib_dir}",
+        fix="check that --lib and --llama-cpp-pkg are the same llama.cpp version and that the model is for it "
+            "(the log lines above may say which)")
+    return reply

@@ -1,0 +1,156 @@
+"""Worker mode "logits": the logits of every prompt position and greedy text (runner.py starts it).
+
+Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
+"n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
+"prefetch". Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pyllama_moe.worker.model import loaded_model
+
+
+def run(L, req: dict, lib_dir: Path) -> dict:
+    with loaded_model(L, req, lib_dir) as model:
+        vocab = L.llama_model_get_vocab(model)
+        n_vocab = L.llama_vocab_n_tokens(vocab)
+        tokens = req.get("tokens") or _tokenize(L, vocab, req["prompt"])
+        if req.get("max_prompt_tokens"):
+            tokens = tokens[: int(req["max_prompt_tokens"])]
+        n_gen = int(req.get("generate", 0))
+        n_batch = int(req.get("n_batch", 2048))
+        cp = L.llama_context_default_params()
+        cp.n_ctx = int(req.get("n_ctx") or (len(tokens) + n_gen + 16))
+        cp.n_batch = n_batch
+        cp.n_ubatch = int(req.get("n_ubatch", 512))
+        threads = int(req.get("threads") or min(4, os.cpu_count() or 1))
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.no_perf = True
+        keep_cb = None
+        if req.get("eval_callback"):
+            keep_cb = cp.cb_eval = _eval_callback(L, int(req["eval_callback"]))
+            cp.cb_eval_user_data = None
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch")) else None
+        batch = L.llama_batch_init(n_batch, 0, 1)
+        reply: dict = {"n_tokens": len(tokens), "n_vocab": n_vocab}
+        try:
+            if req.get("prefetch"):
+                moe.set_prefetch(req["prefetch"])
+            if moe and req.get("stats"):
+                moe.reset_stats()
+            logits = _decode(L, ctx, batch, tokens, 0, bool(req.get("logits_out")), n_batch, n_vocab)
+            if moe and req.get("stats"):
+                reply["stats"] = {"prompt": moe.stats()}
+                moe.reset_stats()
+            if req.get("logits_out"):
+                logits = np.ascontiguousarray(logits, dtype=np.float32)
+                np.save(req["logits_out"], logits)
+                reply["logits_sha256"] = hashlib.sha256(logits.tobytes()).hexdigest()
+            generated = []
+            last = logits[-1]
+            for step in range(n_gen):
+                tok = int(np.argmax(last))
+                generated.append(tok)
+                if step + 1 < n_gen:
+                    last = _decode(L, ctx, batch, [tok], len(tokens) + step, False, n_batch, n_vocab)[-1]
+            reply["generated"] = generated
+            if moe and req.get("stats"):
+                reply["stats"]["generate"] = moe.stats()
+            reply["text"] = _detok(L, vocab, generated)
+        finally:
+            del keep_cb  # the context held a pointer to it until here
+            L.llama_batch_free(batch)
+            L.llama_free(ctx)
+    return reply
+
+
+def _detok(L, vocab, tokens: list[int]) -> str:
+    out = bytearray()
+    buf = ctypes.create_string_buffer(256)
+    for tok in tokens:
+        n = L.llama_token_to_piece(vocab, tok, buf, len(buf), 0, False)
+        out += buf.raw[: max(n, 0)]
+    return out.decode("utf-8", errors="replace")
+
+
+def _tokenize(L, vocab, text: str) -> list[int]:
+    data = text.encode()
+    cap = len(data) + 16
+    arr = (L.llama_token * cap)()
+    n = L.llama_tokenize(vocab, data, len(data), arr, cap, True, False)
+    if n < 0:
+        raise RuntimeError(f"tokenization needs {-n} tokens")
+    return list(arr[:n])
+
+
+def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool, n_batch: int, n_vocab: int):
+    """Evaluate tokens from start_pos in chunks of n_batch; return all-position logits (or the last row)."""
+    rows = []
+    for off in range(0, len(tokens), n_batch):
+        chunk = tokens[off: off + n_batch]
+        batch.n_tokens = len(chunk)
+        for i, tok in enumerate(chunk):
+            batch.token[i] = tok
+            batch.pos[i] = start_pos + off + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 1 if (want_logits or off + i == len(tokens) - 1) else 0
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        n_out = len(chunk) if want_logits else (1 if off + len(chunk) == len(tokens) else 0)
+        if n_out:
+            ptr = L.llama_get_logits(ctx)
+            rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, n_vocab)).copy())
+    return np.concatenate(rows, axis=0)
+
+
+class _MoeApi:
+    """llama-moe.h of the loaded libllama through cffi (the same library llama_cpp loaded), for one context."""
+
+    def __init__(self, lib_dir: Path, ctx):
+        from pyllama_moe.ffi import _ffi
+
+        self.ffi, _ = _ffi()
+        self.lib = self.ffi.dlopen(str(lib_dir / "libllama.so"))
+        self.ctx = self.ffi.cast("struct llama_context *", ctypes.cast(ctx, ctypes.c_void_p).value)
+
+    def set_prefetch(self, params: dict) -> None:
+        p = self.ffi.new("struct llama_moe_prefetch_params *")
+        for key in ("mode", "depth", "min_batch", "headroom_mib"):
+            setattr(p, key, int(params.get(key, -1)))
+        self.lib.llama_moe_set_prefetch_params(self.ctx, p[0])
+
+    def reset_stats(self) -> None:
+        self.lib.llama_moe_reset_stats(self.ctx)
+
+    def stats(self) -> dict:
+        st = self.ffi.new("struct llama_moe_stats *")
+        self.lib.llama_moe_get_stats(self.ctx, st)
+        out = {name: int(getattr(st, name)) for name, _ in self.ffi.typeof("struct llama_moe_stats").fields}
+        out["prefetch_devices"] = int(self.lib.llama_moe_prefetch_n_devices(self.ctx))
+        out["prefetch_arena_bytes"] = int(self.lib.llama_moe_prefetch_arena_size(self.ctx))
+        return out
+
+
+def _eval_callback(L, every: int):
+    """An eval callback that observes every `every`-th node: the scheduler then computes splits in chunks."""
+    seen = [0]
+
+    def cb(_tensor, ask, _user):
+        if not ask:
+            return True  # observed; go on
+        seen[0] += 1
+        return seen[0] % every == 0
+
+    return L.ggml_backend_sched_eval_callback(cb)
