@@ -6,7 +6,7 @@
 #   ci/tsan-sim.sh <that build dir> <model.gguf> <corpus.txt>
 #
 # Runs llama-perplexity on SIM (1 and 2 devices, poison and copy latency on) for --cpu-moe, -ncmoe 2 and
-# -ngl 2, and prints every ThreadSanitizer report's top frames. Suppressions, each with its reason, are in
+# -ngl 2, each with the host-weight prefetch off and on (mode 2), and prints every ThreadSanitizer report's top frames. Suppressions, each with its reason, are in
 # ci/tsan.supp; a report that mentions ggml-sim or the scheduler is ours and must not be suppressed.
 set -uo pipefail
 build=${1:?build dir}; model=${2:?model}; corpus=${3:?corpus}
@@ -17,9 +17,11 @@ export GGML_SIM_POISON=1 GGML_SIM_COPY_LATENCY_US=50
 total=0
 for devices in 1 2; do
   for place in "-cmoe" "-ncmoe 2" "-ngl 2"; do
-    name="sim${devices}${place// /}"
+   # GGML_SCHED_PREFETCH=2: SIM is no CUDA-family device, so only mode 2 runs the staging arena and copy queue there
+   for prefetch in 0 2; do
+    name="sim${devices}${place// /}-pf${prefetch}"
     rm -f "$out/$name.ops.jsonl"
-    GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices "$build/bin/llama-perplexity" -m "$model" -f "$corpus" -c 1024 -b 1024 -ub 512 \
+    GGML_SCHED_PREFETCH=$prefetch GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices "$build/bin/llama-perplexity" -m "$model" -f "$corpus" -c 1024 -b 1024 -ub 512 \
         --chunks 1 -t 2 -nr --fit off -ngl 99 $place > "$out/$name.log" 2>&1
     rc=$?
     n=$(grep -c "WARNING: ThreadSanitizer" "$out/$name.log")
@@ -28,6 +30,7 @@ for devices in 1 2; do
     computes=$(grep -c '"op":"compute"' "$out/$name.ops.jsonl" 2>/dev/null)
     echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim or ggml-backend.cpp), ${computes:-0} graph computes on SIM, $ppl"
     total=$((total + n))
+   done
   done
 done
 echo "total reports: $total"

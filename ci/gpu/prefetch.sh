@@ -50,12 +50,22 @@ EOF
     SMALL=$(ls $PYLLAMA_MOE_HOME/models/qwen3moe-*.gguf | grep -v corpus | head -1)
     CORPUS=$(ls $PYLLAMA_MOE_HOME/models/qwen3moe-*corpus*.txt | head -1)
     head -c 4000 "$CORPUS" > /tmp/prompt.txt
+    PEAK_RSS=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v")  # GNU time, where the machine has it
     for poison in 0 1; do
-        GGML_SCHED_PREFETCH_DEBUG_POISON=$poison timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        # in the foreground, with the machine's memory sampled every 2 s and the tool's peak RSS: an earlier run
+        # of the poisoned one, detached between two device calls, ended with exit 137 and nothing else known
+        ( while sleep 2; do echo "$(date +%T) $(free -m | awk '/Mem:/ {print "used", $3, "MiB, available", $7, "MiB"}')"; done ) \
+            > "$OUT/sanitizer-$poison-memory.txt" 2>&1 &
+        sampler=$!
+        GGML_SCHED_PREFETCH_DEBUG_POISON=$poison timeout 400 $PEAK_RSS compute-sanitizer --tool memcheck --error-exitcode 3 \
             "$P/llama-completion" -m "$SMALL" -ngl 99 -cmoe -lm none -ub 512 -b 2048 -f /tmp/prompt.txt -n 8 \
             --temp 0 --fit off -no-cnv -v > "$OUT/sanitizer-$poison.txt" 2>&1
-        echo "compute-sanitizer memcheck (debug poison $poison): exit $?"
-        grep -E "ERROR SUMMARY|host-weight prefetch" "$OUT/sanitizer-$poison.txt" | head -4
+        rc=$?
+        kill $sampler 2>/dev/null
+        echo "compute-sanitizer memcheck (debug poison $poison): exit $rc"
+        grep -E "ERROR SUMMARY|host-weight prefetch|Maximum resident|Exit status|signal" "$OUT/sanitizer-$poison.txt" | head -6
+        tail -2 "$OUT/sanitizer-$poison-memory.txt"
+        dmesg 2>/dev/null | grep -iE "killed process|out of memory" | tail -3
     done
     ;;
 bench)
