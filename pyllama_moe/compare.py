@@ -197,13 +197,15 @@ class Harness:
 
 def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check:
     """The prefetch really took its path: prompt ubatches of at least min_batch tokens uploaded host weights
-    ahead, smaller ones bound the copies to the staging arena without uploading anything ahead."""
+    ahead; a context whose ubatches are all smaller has no staging arena at all (nothing would be uploaded ahead
+    into it), and one with larger ubatches but a shorter prompt has the arena and uploads nothing ahead."""
     prompt = (stats or {}).get("prompt", {})
     min_batch = int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "256"))
-    ahead = cell.ubatch >= min_batch and cell.prompt_tokens >= min_batch
+    staging = cell.ubatch >= min_batch
+    ahead = staging and cell.prompt_tokens >= min_batch
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
-    ok = arena > 0 and (uploads > 0 if ahead else uploads == 0)
-    return Check("prefetch", ok, {"expect_uploads_ahead": ahead, **prompt})
+    ok = (arena > 0) == staging and (uploads > 0) == ahead
+    return Check("prefetch", ok, {"expect_staging": staging, "expect_uploads_ahead": ahead, **prompt})
 
 
 def read_sim_oplog(oplog: Path) -> tuple[set, int]:
