@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from pyllama_moe import models, runner
+from pyllama_moe import ffi, models, runner
 from pyllama_moe.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
@@ -92,10 +92,92 @@ def test_failed_registration_copies_experts_to_pinned_memory(patched_build, src,
 
 
 def test_no_room_for_a_copy_leaves_experts_pageable(patched_build, src, model, pin_off):
-    # a margin larger than any machine: the copy must be refused, and the reason logged
-    got = _run(patched_build, src, model, {"GGML_SIM_HOST_MAP_FAIL": "1", "LLAMA_MOE_PIN_MARGIN_MIB": "1e12"})
+    # a budget that takes two layers' ranges in place but not a copy of all the experts: registration fails,
+    # the copy must be refused, and the reason logged
+    got = _run(patched_build, src, model, {"GGML_SIM_HOST_MAP_FAIL": "1", "LLAMA_MOE_PIN_BUDGET_MIB": "4"})
     assert got.log.count("llama_moe: ") == 1 and PAGEABLE in got.log, got.log[-3000:]
+    assert "and a budget of 4.00 MiB" in got.log
     assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+
+
+# issue 11, item 1: experts larger than the memory a process may lock
+PARTIAL = "of expert ranges registered with SIM0 (page-locked in place: "
+NONE_FITS = "expert weights left pageable: not one range of them fits the"
+
+
+def _registered_bytes(log):
+    """Bytes the model registered (its own reference: refs 0 -> 1), checking every range is unregistered."""
+    ops = _ops(log)
+    assert ops and all(op["ok"] for op in ops)
+    assert sorted(op["ptr"] for op in ops if op["op"] == "host_map") == sorted(op["ptr"] for op in ops if op["op"] == "host_unmap")
+    return sum(op["bytes"] for op in ops if op["op"] == "host_map" and op["refs"] == 1)
+
+
+@pytest.mark.parametrize("budget_mib", ["4", "2"])
+def test_a_budget_below_the_experts_pins_part_of_them(patched_build, src, model, pin_off, tmp_path, budget_mib):
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, model, {"LLAMA_MOE_PIN_BUDGET_MIB": budget_mib, "GGML_SIM_OPLOG": str(log)})
+    assert got.log.count("llama_moe: ") == 1 and PARTIAL in got.log, got.log[-3000:]
+    assert f"{float(budget_mib):.2f} MiB of page-locked memory fit, the budget of LLAMA_MOE_PIN_BUDGET_MIB" in got.log
+    assert 0 < _registered_bytes(log) <= int(budget_mib) << 20  # whole pieces that fit, no more
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+
+
+@pytest.mark.parametrize("env, why", [
+    ({"LLAMA_MOE_PIN_BUDGET_MIB": "0"}, "the 0.00 MiB of page-locked memory allowed, the budget of"),
+    # a margin larger than any machine: no memory may be locked at all
+    ({"LLAMA_MOE_PIN_MARGIN_MIB": "1e12"}, "the 0.00 MiB of page-locked memory allowed, "),
+])
+def test_no_budget_pins_nothing(patched_build, src, model, pin_off, tmp_path, env, why):
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, model, {**env, "GGML_SIM_OPLOG": str(log)})
+    assert got.log.count("llama_moe: ") == 1 and NONE_FITS in got.log and why in got.log, got.log[-3000:]
+    assert _ops(log) == []
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+
+
+def test_memory_available_below_the_experts_pins_part(patched_build, model, tmp_path):
+    # 2 GiB + 4 MiB available of 16 GiB: the margin (2 GiB) leaves 4 MiB, less than the experts' 7 MiB of ranges
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal:       16777216 kB\nMemAvailable:   2101248 kB\n")
+    (tmp_path / "proc" / "self" / "cgroup").write_text("")
+    tool = patched_build.tool("llama-completion")
+    env = {**os.environ, **SIM_ENV, "LLAMA_MOE_PIN_FS_ROOT": str(tmp_path)}
+    proc = subprocess.run([str(tool), "-m", str(model), "-ngl", "99", "-cmoe", "--no-repack", "--fit", "off", "-p", "hi",
+                           "-n", "1", "-no-cnv", "--temp", "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert PARTIAL in proc.stderr, proc.stderr[-3000:]
+    assert "4.00 MiB of page-locked memory fit, 2.00 GiB available less a 2.00 GiB margin" in proc.stderr
+
+
+def test_ggml_cuda_no_pinned_turns_pinning_off(patched_build, src, model, pin_off, tmp_path):
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, model, {"GGML_CUDA_NO_PINNED": "1", "GGML_SIM_OPLOG": str(log)})
+    assert "expert weights left pageable: pinning is off (GGML_CUDA_NO_PINNED is set)" in got.log, got.log[-3000:]
+    assert _ops(log) == []
+
+
+def test_pin_budget_flag_and_setter(patched_build, model, monkeypatch):
+    # the flag reaches the process default; with the setter unset, the environment is read
+    tool = patched_build.tool("llama-completion")
+    env = {**os.environ, **SIM_ENV, "LLAMA_MOE_PIN_BUDGET_MIB": "100000"}
+    proc = subprocess.run([str(tool), "-m", str(model), "-ngl", "99", "-cmoe", "--no-repack", "--fit", "off", "-p", "hi",
+                           "-n", "1", "-no-cnv", "--temp", "0", "--pin-budget", "2"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and PARTIAL in proc.stderr and "2.00 MiB of page-locked memory fit" in proc.stderr, \
+        proc.stderr[-3000:]
+    # cffi: the setter beats the environment, which is read at each call while the setter is unset
+    monkeypatch.setenv("LLAMA_MOE_PIN_BUDGET_MIB", "7")
+    lib = ffi.load(patched_build)
+    try:
+        assert lib.llama_moe_default_get_pin_budget_mib() == 7
+        lib.llama_moe_default_set_pin_budget_mib(3)
+        assert lib.llama_moe_default_get_pin_budget_mib() == 3
+    finally:
+        lib.llama_moe_default_set_pin_budget_mib(-1)
+    assert lib.llama_moe_default_get_pin_budget_mib() == 7
+    monkeypatch.delenv("LLAMA_MOE_PIN_BUDGET_MIB")
+    assert lib.llama_moe_default_get_pin_budget_mib() == -1
 
 
 GIB = 1 << 30
@@ -116,7 +198,7 @@ CGROUPS = {
 
 
 @pytest.mark.parametrize("version", sorted(CGROUPS))
-def test_cgroup_limit_up_the_hierarchy_caps_the_copy(patched_build, model, tmp_path, version):
+def test_cgroup_limit_up_the_hierarchy_caps_the_pinned_memory(patched_build, model, tmp_path, version):
     files = {"proc/meminfo": "MemTotal:       67108864 kB\nMemFree:        1 kB\nMemAvailable:   62914560 kB\n",
              **CGROUPS[version]}
     for rel, text in files.items():
@@ -128,7 +210,8 @@ def test_cgroup_limit_up_the_hierarchy_caps_the_copy(patched_build, model, tmp_p
                            "-n", "1", "-no-cnv", "--temp", "0"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # 60 GiB MemAvailable, capped by the ancestor's room; the margin is 2 GiB since 1/16 of the limit is less
-    assert PAGEABLE in proc.stderr and "+ a 2.00 GiB margin, 1.50 GiB available" in proc.stderr, proc.stderr[-3000:]
+    # (no memory may be locked at all, so not even registration in place is tried)
+    assert NONE_FITS in proc.stderr and "1.50 GiB available less a 2.00 GiB margin" in proc.stderr, proc.stderr[-3000:]
 
 
 # two contexts on one model, in one process, through llama_cpp; the setter must beat the environment

@@ -78,6 +78,15 @@ LLAMA_MOE_API void llama_moe_reset_stats(struct llama_context * ctx);
 // LLAMA_MOE_PIN_EXPERTS, then on). The getter returns the value in effect (0 or 1).
 LLAMA_MOE_API void    llama_moe_default_set_pin_experts(int32_t on);
 LLAMA_MOE_API int32_t llama_moe_default_get_pin_experts(void);
+// The most expert memory a model page-locks in place, in MiB. Page-locked pages cannot be reclaimed, so a model
+// whose experts exceed the memory available (MemAvailable and cgroup limits, less the margin above) pins only
+// what fits, whole ranges in file order that no host tensor straddles, and leaves the rest pageable; the log
+// line says how much and why not more. Process-wide default, read when a model is loaded: >= 0 caps the budget
+// (it never exceeds what is available), -1 unset (then the environment variable LLAMA_MOE_PIN_BUDGET_MIB, then
+// only the memory available). GGML_CUDA_NO_PINNED (ggml-cuda's switch for pinned host memory) turns pinning
+// off as well. The getter returns the value in effect (-1: none).
+LLAMA_MOE_API void    llama_moe_default_set_pin_budget_mib(int64_t mib);
+LLAMA_MOE_API int64_t llama_moe_default_get_pin_budget_mib(void);
 
 // --- END CFFI ---
 

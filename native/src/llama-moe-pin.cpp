@@ -46,6 +46,25 @@ int32_t llama_moe_default_get_pin_experts(void) {
     return 1;
 }
 
+static std::atomic<int64_t> g_pin_budget_mib{-1};
+
+void llama_moe_default_set_pin_budget_mib(int64_t mib) {
+    g_pin_budget_mib = mib < 0 ? -1 : mib;
+}
+
+int64_t llama_moe_default_get_pin_budget_mib(void) {
+    const int64_t v = g_pin_budget_mib.load();
+    if (v >= 0) {
+        return v;
+    }
+    const char * env = getenv("LLAMA_MOE_PIN_BUDGET_MIB");
+    if (env && *env) {
+        const long long mib = atoll(env);
+        return mib >= 0 ? (int64_t) mib : -1;
+    }
+    return -1;
+}
+
 //
 // memory this process can still take: MemAvailable, capped by the free room of every memory cgroup above it
 // (a container's limit is usually set on an ancestor of the process's own cgroup)
@@ -146,6 +165,16 @@ static pin_mem pin_mem_available() {
     return m;
 }
 
+// what page-locked memory must leave of the available memory: max(2 GiB, 1/16 of the total), or
+// LLAMA_MOE_PIN_MARGIN_MIB
+static uint64_t pin_margin(const pin_mem & mem) {
+    const char * env = getenv("LLAMA_MOE_PIN_MARGIN_MIB");
+    if (env && *env) {
+        return (uint64_t) std::min(atof(env) * 1024 * 1024, 9e18);
+    }
+    return std::max<uint64_t>(UINT64_C(2) << 30, mem.known ? mem.total / 16 : 0);
+}
+
 //
 // per-model state
 //
@@ -235,6 +264,36 @@ static std::vector<pin_range> expert_ranges(std::vector<ggml_tensor *> tensors, 
     return out;
 }
 
+// the range cut at every page boundary that no host tensor read from the mapping straddles (its page-rounded
+// span): the pieces a partial pin may take whole, since CUDA refuses a copy from partly page-locked memory
+static std::vector<pin_range> range_pieces(const pin_range & r, const std::vector<std::pair<uintptr_t, uintptr_t>> & mapped) {
+    const uintptr_t page = page_size();
+    const uintptr_t lo = (uintptr_t) r.ptr, hi = lo + r.size;
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans; // page-rounded, clipped to the range
+    for (const auto & [t_lo, t_hi] : mapped) {
+        const uintptr_t a = std::max(lo, t_lo / page * page), b = std::min(hi, (t_hi + page - 1) / page * page);
+        if (a < b) {
+            spans.emplace_back(a, b);
+        }
+    }
+    std::sort(spans.begin(), spans.end());
+    std::vector<pin_range> out;
+    uintptr_t start = lo, end = lo;
+    for (const auto & [a, b] : spans) {
+        if (end == start) {
+            start = a; // the first span
+        } else if (a >= end) { // the page boundary at `end` cuts no tensor
+            out.push_back({ (void *) start, (size_t) (end - start), 0 });
+            start = a;
+        }
+        end = std::max(end, b);
+    }
+    if (end > start) {
+        out.push_back({ (void *) start, (size_t) (end - start), 0 });
+    }
+    return out;
+}
+
 // one pinned buffer of the device's host buffer type for all the tensors, which are repointed into it
 static ggml_backend_buffer_ptr copy_to_pinned(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor *> & tensors, size_t size) {
     ggml_backend_buffer_ptr buf(ggml_backend_buft_alloc_buffer(buft, size));
@@ -307,27 +366,79 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
                 fmt_size(n_bytes).c_str());
         return;
     }
+    if (getenv("GGML_CUDA_NO_PINNED") != nullptr) { // ggml-cuda's own switch: no pinned host memory at all
+        LLAMA_LOG_INFO("llama_moe: %s of expert weights left pageable: pinning is off (GGML_CUDA_NO_PINNED is set)\n",
+                fmt_size(n_bytes).c_str());
+        return;
+    }
 
     pin_model_state st;
     st.map   = map;
     st.unmap = unmap;
 
-    // 1. page-lock the mapped ranges in place: no copy, no extra memory
+    // the budget of page-locked memory: locked pages cannot be reclaimed, so a model whose experts exceed the
+    // memory available (the reason many use --cpu-moe) must not lock them all, or the system swaps or kills
+    const pin_mem  mem         = pin_mem_available();
+    const uint64_t margin      = pin_margin(mem);
+    const int64_t  budget_mib  = llama_moe_default_get_pin_budget_mib();
+    const uint64_t avail_budget = !mem.known ? UINT64_MAX : mem.avail > margin ? mem.avail - margin : 0;
+    const uint64_t budget      = budget_mib >= 0 ? std::min(avail_budget, (uint64_t) budget_mib << 20) : avail_budget;
+    char why_budget[256];
+    snprintf(why_budget, sizeof(why_budget), "%s%s available less a %s margin%s",
+             budget_mib >= 0 ? "the budget of LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget, at most " : "",
+             mem.known ? fmt_size(mem.avail).c_str() : "an unknown amount", fmt_size(margin).c_str(),
+             budget_mib >= 0 ? "" : " (LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget set it lower)");
+
+    // 1. page-lock the mapped ranges in place: no copy, no extra memory; whole ranges while they fit the budget,
+    //    then the pieces of the next one that fit
     std::vector<pin_range> ranges = expert_ranges(tensors, mapped_spans);
-    uint64_t n_locked = 0;
+    uint64_t n_range_bytes = 0;
     for (const pin_range & r : ranges) {
+        n_range_bytes += r.size;
+    }
+    std::vector<pin_range> chosen;
+    uint64_t n_chosen = 0;
+    for (const pin_range & r : ranges) {
+        if (n_chosen + r.size <= budget) {
+            chosen.push_back(r);
+            n_chosen += r.size;
+            continue;
+        }
+        for (const pin_range & piece : range_pieces(r, mapped_spans)) {
+            if (n_chosen + piece.size > budget) {
+                break;
+            }
+            chosen.push_back(piece);
+            n_chosen += piece.size;
+        }
+        break; // file order: the rest stays pageable
+    }
+    uint64_t n_locked = 0;
+    for (const pin_range & r : chosen) {
         if (!map(r.ptr, r.size)) {
             break;
         }
         st.ranges.push_back(r);
         n_locked += r.size;
     }
-    if (st.ranges.size() == ranges.size()) {
-        LLAMA_LOG_INFO("llama_moe: %s of expert weights registered with %s (page-locked in place: %zu range(s), %s)\n",
-                fmt_size(n_bytes).c_str(), dev_name, st.ranges.size(), fmt_size(n_locked).c_str());
+    if (!chosen.empty() && st.ranges.size() == chosen.size()) {
+        if (n_locked < n_range_bytes) {
+            LLAMA_LOG_WARN("llama_moe: %s of %s of expert ranges registered with %s (page-locked in place: %zu range(s)); "
+                    "the rest stays pageable: %s of page-locked memory fit, %s\n",
+                    fmt_size(n_locked).c_str(), fmt_size(n_range_bytes).c_str(), dev_name, st.ranges.size(),
+                    fmt_size(budget).c_str(), why_budget);
+        } else {
+            LLAMA_LOG_INFO("llama_moe: %s of expert weights registered with %s (page-locked in place: %zu range(s), %s)\n",
+                    fmt_size(n_bytes).c_str(), dev_name, st.ranges.size(), fmt_size(n_locked).c_str());
+        }
         std::lock_guard<std::mutex> lock(g_mutex);
         g_models[&model] = std::move(st);
         return;
+    }
+    if (chosen.empty()) {
+        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: not one range of them fits the %s of page-locked "
+                "memory allowed, %s\n", fmt_size(n_bytes).c_str(), fmt_size(budget).c_str(), why_budget);
+        return; // a pinned copy would need more still
     }
     for (const pin_range & r : st.ranges) {
         unmap(r.ptr);
@@ -348,14 +459,11 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
     for (const ggml_tensor * t : tensors) {
         need += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align);
     }
-    const pin_mem mem = pin_mem_available();
-    const char * margin_env = getenv("LLAMA_MOE_PIN_MARGIN_MIB");
-    const uint64_t margin = margin_env && *margin_env ? (uint64_t) std::min(atof(margin_env) * 1024 * 1024, 9e18)
-                                                      : std::max<uint64_t>(UINT64_C(2) << 30, mem.known ? mem.total / 16 : 0);
-    if (!mem.known || need + margin > mem.avail) {
+    if (!mem.known || need + margin > mem.avail || need > budget) {
         LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and a pinned copy needs "
-                "%s + a %s margin, %s available\n", fmt_size(n_bytes).c_str(), dev_name, fmt_size(need).c_str(), fmt_size(margin).c_str(),
-                mem.known ? fmt_size(mem.avail).c_str() : "an unknown amount (taken as none)");
+                "%s + a %s margin, %s available%s%s\n", fmt_size(n_bytes).c_str(), dev_name, fmt_size(need).c_str(), fmt_size(margin).c_str(),
+                mem.known ? fmt_size(mem.avail).c_str() : "an unknown amount (taken as none)",
+                budget_mib >= 0 ? ", and a budget of " : "", budget_mib >= 0 ? fmt_size((uint64_t) budget_mib << 20).c_str() : "");
         return;
     }
     st.copy = copy_to_pinned(buft, tensors, need);

@@ -5,8 +5,12 @@
 // memory and without overlapping compute. At load, when a GPU's registry offers ggml_backend_host_map
 // (ggml-host-map.h), the model page-locks the mapped range of its experts; if that fails it copies them
 // once into the GPU's pinned host buffer type, if they fit in the memory actually available; else they stay
-// pageable. Which path was taken, and why, is logged once per model. Knob: llama_moe_default_set_pin_experts
-// (llama-moe.h, --pin-experts/--no-pin-experts) > LLAMA_MOE_PIN_EXPERTS > on.
+// pageable. Registration takes only what fits the memory available less a margin, or the budget of
+// llama_moe_default_set_pin_budget_mib (--pin-budget, LLAMA_MOE_PIN_BUDGET_MIB) if lower: page-locked pages
+// cannot be reclaimed, and experts larger than memory are a main reason to keep them on the host. Which path
+// was taken, how much was pinned and why not more, is logged once per model. Knob:
+// llama_moe_default_set_pin_experts (llama-moe.h, --pin-experts/--no-pin-experts) > LLAMA_MOE_PIN_EXPERTS > on;
+// GGML_CUDA_NO_PINNED turns it off too.
 #pragma once
 
 #include <cstddef>
