@@ -77,6 +77,10 @@ def paced_rounds(builds: dict[str, Build], plan: BenchPlan, chunk: int = DEFAULT
     kind = "pp" if spec.n_prompt else "tg"
     warmup = "pp" if kind == "pp" else "tg 1"  # llama-bench's warm-up: the whole prompt, or one token
     fields = spec_fields(spec)
+    # the commands of one repetition: the whole test, or a generation started and then continued in chunks
+    n_tokens = spec.n_prompt if kind == "pp" else spec.n_gen
+    chunked = kind == "tg" and 0 < chunk < spec.n_gen
+    steps = [f"tg-more {min(chunk, n_tokens - done)}" for done in range(0, n_tokens, chunk)] if chunked else [kind]
 
     def run(order: tuple[str, ...]) -> dict[str, tuple[list[dict], float]]:
         started = time.monotonic()
@@ -92,22 +96,17 @@ def paced_rounds(builds: dict[str, Build], plan: BenchPlan, chunk: int = DEFAULT
                 check_planted_slowdown(plan.env.get(side), procs[side].log_path.read_text(errors="replace"),
                                        f"the paced driver of the {builds[side].variant} build")
             step = 0  # A B B A over the whole round, repetition or chunk
-            for rep in range(plan.reps):
-                if kind == "tg" and 0 < chunk < spec.n_gen:
-                    ns = dict.fromkeys(order, 0)
+            for _ in range(plan.reps):
+                if chunked:
                     for side in order:
                         procs[side].run("tg-start", REP_TIMEOUT_S)
-                    for done in range(0, spec.n_gen, chunk):
-                        for side in (order if step % 2 == 0 else order[::-1]):
-                            ns[side] += procs[side].run(f"tg-more {min(chunk, spec.n_gen - done)}", REP_TIMEOUT_S)["ns"]
-                        step += 1
-                    for side in order:
-                        samples[side].append(spec.n_gen / (ns[side] / 1e9))
-                    continue
-                for side in (order if step % 2 == 0 else order[::-1]):
-                    reply = procs[side].run(kind, REP_TIMEOUT_S)
-                    samples[side].append(reply["n_tokens"] / (reply["ns"] / 1e9))
-                step += 1
+                ns = dict.fromkeys(order, 0)
+                for cmd in steps:
+                    for side in (order if step % 2 == 0 else order[::-1]):
+                        ns[side] += procs[side].run(cmd, REP_TIMEOUT_S)["ns"]
+                    step += 1
+                for side in order:
+                    samples[side].append(n_tokens / (ns[side] / 1e9))
         finally:
             for proc in procs.values():
                 proc.close()

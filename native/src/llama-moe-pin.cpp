@@ -28,6 +28,15 @@
 // knob: setter > LLAMA_MOE_PIN_EXPERTS > on
 //
 
+// a process-wide knob: the setter's value when set (>= 0), else the environment variable's, else `unset`
+static int64_t setter_else_env(int64_t set, const char * env_name, int64_t unset) {
+    if (set >= 0) {
+        return set;
+    }
+    const char * env = getenv(env_name);
+    return env && *env ? (int64_t) atoll(env) : unset;
+}
+
 static std::atomic<int32_t> g_pin_default{-1};
 
 void llama_moe_default_set_pin_experts(int32_t on) {
@@ -35,17 +44,10 @@ void llama_moe_default_set_pin_experts(int32_t on) {
 }
 
 int32_t llama_moe_default_get_pin_experts(void) {
-    const int32_t v = g_pin_default.load();
-    if (v >= 0) {
-        return v;
-    }
-    const char * env = getenv("LLAMA_MOE_PIN_EXPERTS");
-    if (env && *env) {
-        return atoi(env) != 0;
-    }
-    return 1;
+    return setter_else_env(g_pin_default.load(), "LLAMA_MOE_PIN_EXPERTS", 1) != 0;
 }
 
+// knob: setter > LLAMA_MOE_PIN_BUDGET_MIB > none (-1)
 static std::atomic<int64_t> g_pin_budget_mib{-1};
 
 void llama_moe_default_set_pin_budget_mib(int64_t mib) {
@@ -53,16 +55,7 @@ void llama_moe_default_set_pin_budget_mib(int64_t mib) {
 }
 
 int64_t llama_moe_default_get_pin_budget_mib(void) {
-    const int64_t v = g_pin_budget_mib.load();
-    if (v >= 0) {
-        return v;
-    }
-    const char * env = getenv("LLAMA_MOE_PIN_BUDGET_MIB");
-    if (env && *env) {
-        const long long mib = atoll(env);
-        return mib >= 0 ? (int64_t) mib : -1;
-    }
-    return -1;
+    return std::max<int64_t>(setter_else_env(g_pin_budget_mib.load(), "LLAMA_MOE_PIN_BUDGET_MIB", -1), -1);
 }
 
 //
@@ -413,23 +406,21 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
         }
         break; // file order: the rest stays pageable
     }
-    uint64_t n_locked = 0;
     for (const pin_range & r : chosen) {
         if (!map(r.ptr, r.size)) {
             break;
         }
         st.ranges.push_back(r);
-        n_locked += r.size;
     }
-    if (!chosen.empty() && st.ranges.size() == chosen.size()) {
-        if (n_locked < n_range_bytes) {
+    if (!chosen.empty() && st.ranges.size() == chosen.size()) { // every chosen range registered: n_chosen bytes
+        if (n_chosen < n_range_bytes) {
             LLAMA_LOG_WARN("llama_moe: %s of %s of expert ranges registered with %s (page-locked in place: %zu range(s)); "
                     "the rest stays pageable: %s of page-locked memory fit, %s\n",
-                    fmt_size(n_locked).c_str(), fmt_size(n_range_bytes).c_str(), dev_name, st.ranges.size(),
+                    fmt_size(n_chosen).c_str(), fmt_size(n_range_bytes).c_str(), dev_name, st.ranges.size(),
                     fmt_size(budget).c_str(), why_budget);
         } else {
             LLAMA_LOG_INFO("llama_moe: %s of expert weights registered with %s (page-locked in place: %zu range(s), %s)\n",
-                    fmt_size(n_bytes).c_str(), dev_name, st.ranges.size(), fmt_size(n_locked).c_str());
+                    fmt_size(n_bytes).c_str(), dev_name, st.ranges.size(), fmt_size(n_chosen).c_str());
         }
         std::lock_guard<std::mutex> lock(g_mutex);
         g_models[&model] = std::move(st);

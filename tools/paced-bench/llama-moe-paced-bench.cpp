@@ -197,15 +197,55 @@ static int decode(paced_state & st, int n, llama_pos pos0) {
 }
 
 // the timed span is what llama-bench times around test_prompt / test_gen; the memory clear is outside it.
-// Tokens are random ids from the unseeded std::rand, so two processes given the same commands decode the
-// same tokens.
+// After a repetition ggml's workers keep polling for a while; the other build's process measures next on the
+// same pinned cores, so they are put to sleep right after it (llama-bench never has a second process to disturb).
+template <typename Body>
+static int timed(paced_state & st, uint64_t & ns, Body body) {
+    ggml_threadpool_resume(st.threadpool);
+    const auto t0 = std::chrono::steady_clock::now();
+    const int res = body();
+    ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    ggml_threadpool_pause(st.threadpool);
+    return res;
+}
+
+// an empty memory and position 0: tg-start, and `tg N`, which is one chunk of N tokens
+static void start_generation(paced_state & st) {
+    llama_memory_clear(llama_get_memory(st.ctx), false);
+    st.gen_pos = 0;
+}
+
+// the next n_tokens of the current generation, one token per decode; the memory keeps the earlier chunks, so
+// the chunks of one generation decode exactly what `tg N` decodes. Tokens are random ids from the unseeded
+// std::rand, so two processes given the same commands decode the same tokens.
+static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns) {
+    return timed(st, ns, [&]() {
+        int res = 0;
+        for (int i = 0; i < n_tokens && res == 0; i++) {
+            if (st.gen_pos == 0) {
+                st.tokens[0] = st.add_bos ? st.bos : std::rand() % st.n_vocab;
+            }
+            res = decode(st, 1, st.gen_pos);
+            llama_synchronize(st.ctx);
+            st.tokens[0] = std::rand() % st.n_vocab;
+            st.gen_pos++;
+        }
+        return res;
+    });
+}
+
+// pp N and tg N: a whole test from an empty memory; a chunked generation does not continue after it
 static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) {
+    if (!prompt) {
+        start_generation(st);
+        const int res = run_gen_chunk(st, n_tokens, ns);
+        st.gen_pos = -1;
+        return res;
+    }
     llama_memory_clear(llama_get_memory(st.ctx), false);
     st.gen_pos = -1;
-    ggml_threadpool_resume(st.threadpool);
-    int res = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    if (prompt) {
+    return timed(st, ns, [&]() {
+        int res = 0;
         for (int done = 0; done < n_tokens && res == 0; ) {
             const int n = std::min(n_tokens - done, st.n_batch);
             st.tokens[0] = done == 0 && st.add_bos ? st.bos : std::rand() % st.n_vocab;
@@ -216,39 +256,8 @@ static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) 
             done += n;
         }
         llama_synchronize(st.ctx);
-    } else {
-        st.tokens[0] = st.add_bos ? st.bos : std::rand() % st.n_vocab;
-        for (int i = 0; i < n_tokens && res == 0; i++) {
-            res = decode(st, 1, i);
-            llama_synchronize(st.ctx);
-            st.tokens[0] = std::rand() % st.n_vocab;
-        }
-    }
-    ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    // after a repetition ggml's workers keep polling for a while; the other build's process measures next on
-    // the same pinned cores, so put them to sleep now (llama-bench never has a second process to disturb)
-    ggml_threadpool_pause(st.threadpool);
-    return res;
-}
-
-// tg-more: the next n_tokens of the generation tg-start began, one token per decode as in run_test; the
-// memory keeps the earlier chunks, so the chunks of one generation decode exactly what `tg N` decodes
-static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns) {
-    ggml_threadpool_resume(st.threadpool);
-    int res = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < n_tokens && res == 0; i++) {
-        if (st.gen_pos == 0) {
-            st.tokens[0] = st.add_bos ? st.bos : std::rand() % st.n_vocab;
-        }
-        res = decode(st, 1, st.gen_pos);
-        llama_synchronize(st.ctx);
-        st.tokens[0] = std::rand() % st.n_vocab;
-        st.gen_pos++;
-    }
-    ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    ggml_threadpool_pause(st.threadpool);
-    return res;
+        return res;
+    });
 }
 
 static void reply_error(const std::string & msg) {
@@ -275,8 +284,7 @@ static void serve(paced_state & st, const paced_params & p) {
             return;
         }
         if (kind == "tg-start") {
-            llama_memory_clear(llama_get_memory(st.ctx), false);
-            st.gen_pos = 0;
+            start_generation(st);
             printf("{\"kind\": \"tg-start\", \"n_tokens\": 0, \"ns\": 0}\n");
             fflush(stdout);
             continue;
