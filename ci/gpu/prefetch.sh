@@ -9,13 +9,14 @@
 #   cp312 wheels of cffi pycparser gguf diskcache in .whl/ (../shared/docs/gpu-workflow.md)
 # then, carrying .work/archives and .whl, run the steps in order, each as one device call:
 #   ci/gpu/prefetch.sh build     builds (detached) + the 30B model; waits for the builds while time allows
-#   ci/gpu/prefetch.sh check     identity cells (subsets gpu, gpu-variants), sanitizer, syncs per token
+#   ci/gpu/prefetch.sh check     identity cells (subsets gpu, gpu-variants), syncs per token, then the sanitizer
+#                                (also alone: identity, sanitizer)
 #   ci/gpu/prefetch.sh bench     pyllama-moe bench: pp4096 ub 2048/4096, pp512, tg128, -lm none and mmap
 # or run all three as one detached pipeline that keeps the GPU busy between calls, repeating
 #   ci/gpu/prefetch.sh follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished". Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: prefetch.sh build|check|bench|follow|all}
+step=${1:?usage: prefetch.sh build|check|identity|sanitizer|bench|follow|all}
 . "$(dirname "$0")/common.sh"
 PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, archived into $OUT by each follow call
 
@@ -36,19 +37,31 @@ build)
     wait_builds ${BUILD_WAIT_S:-560}
     ;;
 check)
+    # identity first, then the sanitizer (both also runnable alone)
+    bash "$0" identity && bash "$0" sanitizer
+    ;;
+identity)
     wait_builds 300 || exit 1
     for s in gpu-variants gpu; do
         timeout 400 python3 -m pyllama_moe compare --subset $s --archive-dir $A --json "$OUT/identity-$s.json" 2>&1 | tee "$OUT/identity-$s.txt"
     done
     timeout 300 python3 ci/gpu/syncs_per_token.py --archive-dir $A --model "$MODEL" 2>&1 | tee "$OUT/syncs.txt"
-    # stream ordering and memory: memcheck over a prefetched prompt (default mode 1 on CUDA) on a small model
-    P=$(python3 - <<'EOF'
+    ;;
+sanitizer)
+    # stream ordering and memory: memcheck over a prefetched prompt (default mode 1 on CUDA) on the matrix's
+    # tiny qwen3moe model, made here when no identity run made it before
+    wait_builds 300 || exit 1
+    read -r P SMALL CORPUS < <(python3 - <<'EOF'
+import pathlib
 from pyllama_moe.build import resolve
-print(resolve("patched", "cuda", archive=__import__("pathlib").Path(".work/archives/llama.cpp-patched.tar.gz")).bin_dir)
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.models import ensure_corpus, ensure_model
+model = ensure_model("qwen3moe", load_matrix(pathlib.Path("ci/matrix.toml")).models["qwen3moe"])
+build = resolve("patched", "cuda", archive=pathlib.Path(".work/archives/llama.cpp-patched.tar.gz"))
+print(build.bin_dir, model, ensure_corpus(model))
 EOF
 )
-    SMALL=$(ls $PYLLAMA_MOE_HOME/models/qwen3moe-*.gguf | grep -v corpus | head -1)
-    CORPUS=$(ls $PYLLAMA_MOE_HOME/models/qwen3moe-*corpus*.txt | head -1)
+    [ -x "$P/llama-completion" ] && [ -f "$SMALL" ] || { echo "sanitizer: no patched llama-completion or tiny model"; exit 1; }
     head -c 4000 "$CORPUS" > /tmp/prompt.txt
     PEAK_RSS=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v")  # GNU time, where the machine has it
     for poison in 0 1; do
