@@ -303,7 +303,9 @@ def _stop_reason(result: BenchResult, plan: BenchPlan, done: int) -> str:
     if done >= plan.rounds:
         if plan.target_ci is None:
             return f"{done} rounds"
-        if all(result.converged(plan.target_ci).values()):
+        # only after an even number of rounds: each build then led as often as the other, so an advantage of
+        # running first or second cancels in the ratio instead of tilting it by half a round's share
+        if done % 2 == 0 and all(result.converged(plan.target_ci).values()):
             return f"every interval within +/-{plan.target_ci:.1%} after {done} rounds"
     if plan.max_seconds is not None and result.seconds + _last_round_seconds(result) > plan.max_seconds:
         return f"time budget: {result.seconds:.0f} s of {plan.max_seconds:.0f} s spent after {done} rounds"

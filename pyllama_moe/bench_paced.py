@@ -65,6 +65,18 @@ def spec_fields(spec: paced.PacedSpec) -> dict:
 DEFAULT_CHUNK = 16  # tokens per tg-more: ~0.4 s at 40 t/s, below the seconds over which decode drifts
 
 
+def _turns(order: tuple[str, ...], rep: int, chunked: bool) -> tuple[str, ...]:
+    """Which build runs first in one step of repetition `rep`. Whole repetitions alternate A B, B A, A B, ...:
+    a steady drift over the round favours neither. Chunks alternate strictly, A B A B ..., so that every chunk
+    runs right after a chunk of the other build: with A B B A chunks, a build's chunk sometimes ran right after
+    its own (its data still in the CPU caches), the second build of the round twice as often as the first; on
+    the GPU machine the candidate's ratio was 0.6-0.9% higher in rounds where it ran second than in rounds
+    where it ran first, in all three tg128 runs of the third session (results/gpu-bench-stats.md). Which build
+    leads still alternates by round (bench's ABBA order), and a target stops a run only after an even number of
+    rounds, so what is left of an order effect cancels."""
+    return order if chunked or rep % 2 == 0 else order[::-1]
+
+
 def paced_rounds(builds: dict[str, Build], plan: BenchPlan, chunk: int = DEFAULT_CHUNK) -> RoundRunner:
     """Paced rounds of the one test in plan.bench_args. A generation test is measured in chunks of `chunk`
     tokens alternating between the builds (0: whole repetitions alternate), so both builds' samples span the
@@ -95,16 +107,14 @@ def paced_rounds(builds: dict[str, Build], plan: BenchPlan, chunk: int = DEFAULT
                 procs[side].run(warmup, REP_TIMEOUT_S)
                 check_planted_slowdown(plan.env.get(side), procs[side].log_path.read_text(errors="replace"),
                                        f"the paced driver of the {builds[side].variant} build")
-            step = 0  # A B B A over the whole round, repetition or chunk
-            for _ in range(plan.reps):
+            for rep in range(plan.reps):
                 if chunked:
                     for side in order:
                         procs[side].run("tg-start", REP_TIMEOUT_S)
                 ns = dict.fromkeys(order, 0)
                 for cmd in steps:
-                    for side in (order if step % 2 == 0 else order[::-1]):
+                    for side in _turns(order, rep, chunked):
                         ns[side] += procs[side].run(cmd, REP_TIMEOUT_S)["ns"]
-                    step += 1
                 for side in order:
                     samples[side].append(n_tokens / (ns[side] / 1e9))
         finally:

@@ -141,6 +141,17 @@ def test_rounds_alternate_and_stop_at_the_target(tmp_path):
     assert tg.interval().low < 1.0 < tg.interval().high  # same machine, same rates: no difference
 
 
+def test_a_target_stops_a_run_only_after_an_even_number_of_rounds(tmp_path):
+    # no spread at all: every interval is within the target from the least number of rounds (5) on, but a run
+    # stopped there would have led with the baseline three times and the candidate twice
+    base = _fake_build(tmp_path, "a", [{"pp": 1000.0, "tg": 40.0, "tg0": 340.0}] * 20)
+    cand = _fake_build(tmp_path, "b", [{"pp": 1000.0, "tg": 40.0, "tg0": 340.0}] * 20)
+    plan = _plan(tmp_path, rounds=3, reps=2, discard=1, target_ci=0.03, max_seconds=600)
+    result = bench.ab_bench({"baseline": base, "candidate": cand}, plan)
+    assert result.stop_reason == "every interval within +/-3.0% after 6 rounds"
+    assert [r["order"][0] for r in result.rounds].count("baseline") == 3
+
+
 def test_planted_slowdown_is_seen_and_a_budget_stops_the_rounds(tmp_path):
     jitter = [0.0, 0.015, -0.015, 0.01]
     base = _fake_build(tmp_path, "a", _drifting(40, jitter))

@@ -65,9 +65,9 @@ EOF
     head -c 4000 "$CORPUS" > /tmp/prompt.txt
     PEAK_RSS=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v")  # GNU time, where the machine has it
     for poison in 0 1; do
-        # in the foreground, with the machine's memory sampled every 2 s and the tool's peak RSS: an earlier run
+        # in the foreground, with the machine's memory sampled at the start and every second, and the tool's peak RSS: an earlier run
         # of the poisoned one, detached between two device calls, ended with exit 137 and nothing else known
-        ( while sleep 2; do echo "$(date +%T) $(free -m | awk '/Mem:/ {print "used", $3, "MiB, available", $7, "MiB"}')"; done ) \
+        ( while :; do echo "$(date +%T) $(free -m | awk '/Mem:/ {print "used", $3, "MiB, available", $7, "MiB"}')"; sleep 1; done ) \
             > "$OUT/sanitizer-$poison-memory.txt" 2>&1 &
         sampler=$!
         GGML_SCHED_PREFETCH_DEBUG_POISON=$poison timeout 400 $PEAK_RSS compute-sanitizer --tool memcheck --error-exitcode 3 \
