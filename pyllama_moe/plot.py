@@ -5,7 +5,8 @@ as bars (t/s). Right panel: the ratio candidate/baseline with its interval (a fo
 line at 1.0; a point whose interval excludes 1.0 is filled, one whose interval includes it (or that has no
 interval) is hollow. Files of schema 1 (before intervals) still plot, without error bars.
 
-The output format follows the suffix of -o (.svg, .png, .pdf).
+`--samples` draws every sample of one run; `--sweep FIELD` one number per test against a setting
+(`pyllama_moe.plot_sweep`). The output format follows the suffix of -o (.svg, .png, .pdf).
 """
 
 from __future__ import annotations
@@ -312,6 +313,12 @@ def cmd_plot(args) -> int:
         write_figure(samples_figure(args.json[0], args.title or ""), args.output)
         print(f"wrote {args.output} (samples of {args.json[0]})")
         return 0
+    if args.sweep:
+        from pyllama_moe.plot_sweep import sweep_figure
+
+        write_figure(sweep_figure(args.json, args.sweep, args.sweep_y, args.title or ""), args.output)
+        print(f"wrote {args.output} ({args.sweep_y} against {args.sweep})")
+        return 0
     tests, meta = load_tests(args.json)
     write_figure(bench_figure(tests, meta, args.title or ""), args.output)
     print(f"wrote {args.output} ({len(tests)} tests)")
@@ -324,6 +331,13 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="the picture to write; its suffix picks the format: " + ", ".join(FORMATS))
     p.add_argument("--title", help="a line above the picture")
-    p.add_argument("--samples", action="store_true",
-                   help="draw every sample of one run in the order measured instead of the ratios")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--samples", action="store_true",
+                      help="draw every sample of one run in the order measured instead of the ratios")
+    what.add_argument("--sweep", metavar="FIELD",
+                      help="draw one number per test against this field of the test key (e.g. n_ubatch), "
+                           "a line per file and setting")
+    p.add_argument("--sweep-y", choices=("ratio", "share", "ts"), default="ratio",
+                   help="with --sweep: the ratio with its interval (default), the share of the --limit-row "
+                        "row, or the candidate's median t/s")
     p.set_defaults(func=cmd_plot)

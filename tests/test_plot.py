@@ -254,3 +254,49 @@ def test_samples_figure_draws_every_sample_of_a_run(tmp_path):
             s["ts"] for s in samples if not s["discarded"])
     with pytest.raises(UserError, match="no per-sample records"):
         plot.samples_figure(_schema1(tmp_path / "old.json", [("pp512", 10.0, 11.0)]))
+
+
+def _swept(label, ub, ratio, low, high, ncmoe=48, limit=None):
+    t = _test2(label, 100.0, 100.0 * ratio, ratio, low, high, limit=limit)
+    t["key"] = {"n_prompt": 512, "n_ubatch": ub, "n_cpu_moe": ncmoe, "load_mode": "none"}
+    return t
+
+
+def test_sweep_draws_one_line_per_file_and_setting_with_intervals(tmp_path):
+    a = _schema2(tmp_path / "skew0.json", [_swept("pp512 ub32", 32, 0.8, 0.78, 0.82),
+                                          _swept("pp512 ub512", 512, 1.3, 1.2, 1.4),
+                                          _swept("pp512 ub128", 128, 1.05, 1.0, 1.1)])
+    b = _schema2(tmp_path / "skew05.json", [_swept("pp512 ub32", 32, 0.7, 0.6, 0.8),
+                                            _swept("pp512 ub32 ncmoe0", 32, 1.0, 0.99, 1.01, ncmoe=0)])
+    from pyllama_moe.plot_sweep import sweep_figure, sweep_series
+
+    assert sweep_series(a, "n_ubatch", "ratio") == {"skew0": [(32.0, 0.8, 0.78, 0.82), (128.0, 1.05, 1.0, 1.1),
+                                                              (512.0, 1.3, 1.2, 1.4)]}
+    assert sorted(sweep_series(b, "n_ubatch", "ratio")) == ["skew05 n_cpu_moe=0", "skew05 n_cpu_moe=48"]
+    fig = sweep_figure([a, b], "n_ubatch", "ratio", "min batch")
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and [t.get_text() for t in ax.get_xticklabels()] == ["32", "128", "512"]
+    lines = [c for c in ax.containers if (c.get_label() or "").startswith("skew")]
+    assert [c.get_label() for c in lines] == ["skew0", "skew05 n_cpu_moe=48", "skew05 n_cpu_moe=0"]  # file order
+    out = tmp_path / "sweep.svg"
+    assert main(["plot", str(a), str(b), "--sweep", "n_ubatch", "-o", str(out)]) == 0
+    ET.parse(out)
+
+
+def test_sweep_of_shares_skips_the_limit_row_and_a_bad_field_is_named(tmp_path, capsys):
+    share = {"row": "ncmoe0", "share_candidate": 0.9, "share_low": 0.85, "share_high": 0.95, "share_baseline": 0.5}
+    f = _schema2(tmp_path / "s.json", [_swept("ub2048", 2048, 1.5, 1.4, 1.6, limit=share),
+                                       _swept("ub2048 all on the GPU", 2048, 1.0, 0.99, 1.01, ncmoe=0)])
+    from pyllama_moe.plot_sweep import sweep_series
+
+    assert sweep_series(f, "n_ubatch", "share") == {"s": [(2048.0, 0.9, 0.85, 0.95)]}
+    assert main(["plot", str(f), "--sweep", "n_batch", "-o", str(tmp_path / "x.svg")]) == 2
+    err = capsys.readouterr().err
+    assert "has no field 'n_batch'" in err and "n_ubatch" in err
+    assert not (tmp_path / "x.svg").exists()
+    bad = _schema2(tmp_path / "bad.json", [_swept("ub", 512, 1.0, 0.9, 1.1)])
+    data = json.loads(bad.read_text())
+    data["tests"][0]["key"]["load_mode"] = "none"
+    bad.write_text(json.dumps(data))
+    assert main(["plot", str(bad), "--sweep", "load_mode", "-o", str(tmp_path / "y.svg")]) == 2
+    assert "not a number" in capsys.readouterr().err

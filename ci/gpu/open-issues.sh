@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # One device session over the GPU steps of the open issues, in the order their results are most needed, on one
 # pair of CUDA builds with every default target (so the identity cells, the sanitizer and the benchmarks share
-# them):
-#   build       master and patched (detached) and the 30B-shaped model (prefetch.sh build)
-#   sanitizer   issue 10 item 7: memcheck with and without poisoned slots, in the foreground (prefetch.sh)
-#   target, planted, self
-#               issue 9: tg128 paced and chunked, master vs patched, a planted 5% loss, master vs itself
-#   identity    issue 10: the CUDA identity cells and host syncs per token (prefetch.sh)
-#   rows-short, rows
-#               issues 9 and 10: the prefetch rows with intervals (bench-stats.sh)
+# them). STEPS lists SCRIPT:STEP pairs of the scripts beside this one; the default is what is still to run after
+# the third session (results/gpu-bench-stats.md):
+#   bench-stats.sh:target planted self   issue 9: tg128 paced, chunks A B A B, even rounds (not yet on the GPU)
+#   bench-stats.sh:rows                  issues 9 and 10: pp4096 ub 2048/4096 and mmap rows with intervals
+#   experts-at-scale.sh:share minbatch pin   issue 11: the ub 4096 share target, the min-batch sweep, a partial pin
+# Done in the third session (add them to STEPS to rerun): prefetch.sh:sanitizer, prefetch.sh:identity,
+# bench-stats.sh:rows-short.
 # Prepare on the CPU machine as prefetch.sh says, then repeat, as device calls carrying .work/archives and .whl,
 #   FOLLOW_S=560 bash ci/gpu/open-issues.sh follow
 # until it prints "pipeline finished". Results land in $OUT (or ./gpu-out), archived as pipeline.tgz.
@@ -22,8 +21,8 @@ follow)
     ;;
 all)
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
-    for s in prefetch.sh:sanitizer bench-stats.sh:target bench-stats.sh:planted bench-stats.sh:self \
-             prefetch.sh:identity bench-stats.sh:rows-short bench-stats.sh:rows; do
+    for s in ${STEPS:-bench-stats.sh:target bench-stats.sh:planted bench-stats.sh:self bench-stats.sh:rows \
+                     experts-at-scale.sh:share experts-at-scale.sh:minbatch experts-at-scale.sh:pin}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"
     done

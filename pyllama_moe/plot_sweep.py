@@ -1,0 +1,101 @@
+"""`pyllama-moe plot --sweep FIELD`: one number of each test against a setting, e.g. the ratio against the
+ubatch size (where uploading whole experts ahead starts to beat copying the routed ones) or the candidate's
+share of its limit row against a staging budget (where the curve goes flat).
+
+A series is the tests of one file that agree on every setting but FIELD; it is drawn as a line through its
+points, with the interval as error bars where the file has one. FIELD is a llama-bench field of the test's key
+(`n_ubatch`, `n_cpu_moe`, ... or a column a build adds); its values must be numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pyllama_moe.errors import UserError
+
+# what a point is: (title of the y axis, the value, its interval's low and high)
+MEASURES = {
+    "ratio": "ratio candidate / baseline (t/s)",
+    "share": "candidate's share of its limit row",
+    "ts": "candidate t/s (median)",
+}
+LOG2_SPAN = 8  # x values spanning more than this factor get a base-2 axis (ubatch sizes, budgets)
+
+
+def sweep_series(path: Path, field: str, measure: str) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
+    """Per series label, its points (x, y, low, high) sorted by x, from one `bench --json` file."""
+    from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX
+
+    try:
+        tests = json.loads(Path(path).read_text())["tests"]
+        groups: dict[tuple, list] = {}
+        for t in tests:
+            key = t["key"]
+            if field not in key:
+                raise UserError(f"{path}: test {t['test']!r} has no field {field!r}",
+                                "sweep over a field of the test key: " + ", ".join(sorted(key)))
+            x = key[field]
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise UserError(f"{path}: {field} of test {t['test']!r} is {x!r}, not a number",
+                                "sweep over a numeric field")
+            point = _point(t, measure)
+            if point is not None:
+                rest = tuple(sorted((k, json.dumps(v)) for k, v in key.items() if k != field))
+                groups.setdefault(rest, []).append((float(x), *point))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path} {NOT_BENCH} with test keys (schema 2) ({exc})", NOT_BENCH_FIX) from exc
+    return {_series_label(Path(path), rest, groups): sorted(points) for rest, points in groups.items()}
+
+
+def _point(t: dict, measure: str) -> tuple[float, float | None, float | None] | None:
+    if measure == "ratio":
+        value, low, high = t.get("ratio"), t.get("ci_low"), t.get("ci_high")
+    elif measure == "share":
+        limit = t.get("limit") or {}
+        value, low, high = limit.get("share_candidate"), limit.get("share_low"), limit.get("share_high")
+    else:
+        value, low, high = t.get("median_candidate"), None, None
+    if value is None:
+        return None  # the limit row itself, or a side with nothing kept
+    return float(value), low, high
+
+
+def _series_label(path: Path, rest: tuple, groups: dict) -> str:
+    """The file's name, and where a file holds several series, the settings that tell them apart."""
+    if len(groups) == 1:
+        return path.stem
+    differing = [k for k, v in rest if any(dict(other).get(k) != v for other in groups)]
+    return path.stem + " " + " ".join(f"{k}={json.loads(dict(rest)[k])}" for k in differing)
+
+
+def sweep_figure(paths: list[Path], field: str, measure: str = "ratio", title: str = ""):
+    from matplotlib.figure import Figure
+
+    if measure not in MEASURES:
+        raise UserError(f"unknown measure {measure!r}", "use " + ", ".join(MEASURES))
+    series = {}
+    for path in paths:
+        series.update(sweep_series(path, field, measure))
+    if not series:
+        raise UserError(f"no test of {', '.join(map(str, paths))} has a {measure}", "see --sweep-y")
+    fig = Figure(figsize=(8, 4.8), layout="constrained")
+    ax = fig.subplots()
+    xs = [x for points in series.values() for x, *_ in points]
+    if min(xs) > 0 and max(xs) / min(xs) > LOG2_SPAN:
+        ax.set_xscale("log", base=2)
+    for i, (label, points) in enumerate(series.items()):
+        x, y, low, high = zip(*points)
+        err = [[v - lo if lo is not None else 0 for v, lo in zip(y, low)],
+               [hi - v if hi is not None else 0 for v, hi in zip(y, high)]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label, gid=f"sweep-{i}")
+    if measure == "ratio":
+        ax.axhline(1.0, linestyle="--", color="#777777", linewidth=1, gid="sweep-1.0")
+    ax.set_xticks(sorted(set(xs)), [f"{v:g}" for v in sorted(set(xs))])
+    ax.set_xlabel(field)
+    ax.set_ylabel(MEASURES[measure])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    return fig
