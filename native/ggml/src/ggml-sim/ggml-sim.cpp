@@ -22,6 +22,7 @@
 #include "../ggml-backend-impl.h"
 #include "../ggml-impl.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -43,6 +44,8 @@
 #    include <process.h>
 #    define sim_getpid _getpid
 #else
+#    include <errno.h>
+#    include <sys/mman.h>
 #    include <unistd.h>
 #    define sim_getpid getpid
 #endif
@@ -1315,9 +1318,41 @@ ggml_backend_dev_t sim_reg_get_device(ggml_backend_reg_t reg, size_t index) {
 
 //
 // host map (ggml-host-map.h): SIM memory is host memory, so there is nothing to page-lock; what is modelled is
-// the contract callers rely on (references counted per base pointer, the last unmap releases the range) and
-// its failure (GGML_SIM_HOST_MAP_FAIL=1), each logged so tests can see what a CUDA device would have done
+// the contract callers rely on (references counted per base pointer, the last unmap releases the range), its
+// refusal of a range that is not wholly mapped, and its failure (GGML_SIM_HOST_MAP_FAIL=1), each logged so
+// tests can see what a CUDA device would have done
 //
+
+// cudaHostRegister pins every page of the range and fails when one of them is not mapped (a hole left by
+// munmap, e.g. between two adjacent file mappings whose heads and tails llama.cpp unmapped). The probe is
+// mincore rather than a parse of /proc/self/maps: it asks the kernel about the range itself in one call per
+// chunk, needs no /proc (absent in some sandboxes), does not depend on a text format or on merging the
+// adjacent lines of one range, and neither faults pages in nor changes their residency. It fails with ENOMEM
+// exactly when part of the range is unmapped. What it does not prove: that the pages are readable (a
+// PROT_NONE mapping passes), which CUDA would also refuse; no caller of ours maps such memory.
+// On success returns true; else false with the first unmapped chunk in [*hole_lo, *hole_hi).
+bool sim_range_is_mapped(void * ptr, size_t size, uintptr_t * hole_lo, uintptr_t * hole_hi) {
+#ifdef _WIN32
+    GGML_UNUSED(ptr); GGML_UNUSED(size); GGML_UNUSED(hole_lo); GGML_UNUSED(hole_hi);
+    return true; // not modelled on Windows
+#else
+    const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t lo    = (uintptr_t) ptr / page * page;
+    const uintptr_t hi    = ((uintptr_t) ptr + size + page - 1) / page * page;
+    const uintptr_t chunk = 4096 * page; // bounds the residency vector for ranges of many GiB
+    std::vector<unsigned char> vec(chunk / page);
+    for (uintptr_t a = lo; a < hi; a += chunk) {
+        const uintptr_t b = std::min(hi, a + chunk);
+        // another error (EAGAIN: the kernel ran short of memory) says nothing about holes
+        if (mincore((void *) a, b - a, vec.data()) != 0 && errno == ENOMEM) {
+            *hole_lo = a;
+            *hole_hi = b;
+            return false;
+        }
+    }
+    return true;
+#endif
+}
 
 struct sim_host_maps {
     std::mutex                              mutex;
@@ -1336,8 +1371,15 @@ bool sim_host_map(void * ptr, size_t size) {
     op.kind = "host_map"; op.async = false; op.ptr = (uintptr_t) ptr; op.bytes = size;
     {
         std::lock_guard<std::mutex> lock(m.mutex);
-        if (sim_cfg().host_map_fail || ptr == nullptr) {
-            auto it  = m.refs.find(op.ptr);
+        uintptr_t hole_lo = 0, hole_hi = 0;
+        auto it = m.refs.find(op.ptr);
+        // a range mapped already is only counted, as CUDA does, so the probe runs on first registration only
+        const bool mapped = it != m.refs.end() || (ptr != nullptr && sim_range_is_mapped(ptr, size, &hole_lo, &hole_hi));
+        if (!mapped) {
+            GGML_LOG_WARN("ggml_sim: host_map refuses %.2f MiB at %p: part of it is not mapped (a hole in [%p, %p)), "
+                    "which cudaHostRegister refuses too\n", size / 1024.0 / 1024.0, ptr, (void *) hole_lo, (void *) hole_hi);
+        }
+        if (sim_cfg().host_map_fail || ptr == nullptr || !mapped) {
             op.refs  = it == m.refs.end() ? 0 : it->second;
             op.ok    = false;
         } else {
