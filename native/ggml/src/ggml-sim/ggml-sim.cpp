@@ -65,6 +65,7 @@ struct sim_config {
     bool        poison             = false;
     bool        debug_skip_sync    = false;
     bool        host_map_fail      = false;
+    int64_t     host_map_fail_nth  = 0; // 0: none
     int64_t     offload_min_batch  = 32;
     std::string oplog_path;
 };
@@ -90,6 +91,7 @@ const sim_config & sim_cfg() {
         c.poison             = env_double("GGML_SIM_POISON", 0) != 0;
         c.debug_skip_sync    = env_double("GGML_SIM_DEBUG_SKIP_SYNC", 0) != 0;
         c.host_map_fail      = env_double("GGML_SIM_HOST_MAP_FAIL", 0) != 0;
+        c.host_map_fail_nth  = (int64_t) env_double("GGML_SIM_HOST_MAP_FAIL_NTH", 0);
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
         const char * log = getenv("GGML_SIM_OPLOG");
         c.oplog_path         = log ? log : "";
@@ -1356,7 +1358,8 @@ bool sim_range_is_mapped(void * ptr, size_t size, uintptr_t * hole_lo, uintptr_t
 
 struct sim_host_maps {
     std::mutex                              mutex;
-    std::unordered_map<uintptr_t, int>      refs; // base pointer -> references
+    std::unordered_map<uintptr_t, int>      refs;      // base pointer -> references
+    int64_t                                 n_new = 0; // registrations of a new range attempted
 };
 
 sim_host_maps & host_maps() {
@@ -1379,7 +1382,8 @@ bool sim_host_map(void * ptr, size_t size) {
             GGML_LOG_WARN("ggml_sim: host_map refuses %.2f MiB at %p: part of it is not mapped (a hole in [%p, %p)), "
                     "which cudaHostRegister refuses too\n", size / 1024.0 / 1024.0, ptr, (void *) hole_lo, (void *) hole_hi);
         }
-        if (sim_cfg().host_map_fail || ptr == nullptr || !mapped) {
+        const bool fail_nth = it == m.refs.end() && ++m.n_new == sim_cfg().host_map_fail_nth;
+        if (sim_cfg().host_map_fail || fail_nth || ptr == nullptr || !mapped) {
             op.refs  = it == m.refs.end() ? 0 : it->second;
             op.ok    = false;
         } else {
@@ -1473,6 +1477,10 @@ ggml_backend_reg_t ggml_backend_sim_reg(void) {
                     cfg.poison ? "on" : "off", cfg.oplog_path.empty() ? "off" : cfg.oplog_path.c_str());
             if (cfg.host_map_fail) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_MAP_FAIL=1: ggml_backend_host_map fails (fault injection)\n");
+            }
+            if (cfg.host_map_fail_nth > 0) {
+                GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_MAP_FAIL_NTH=%lld: registration %lld of a new range fails (fault injection)\n",
+                        (long long) cfg.host_map_fail_nth, (long long) cfg.host_map_fail_nth);
             }
             if (cfg.debug_skip_sync) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_DEBUG_SKIP_SYNC=1: synchronize does not wait; results will be wrong (negative control)\n");
