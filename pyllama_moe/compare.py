@@ -115,7 +115,8 @@ class Harness:
             return CellResult(cell, "deferred", note="needs a CUDA GPU; none on this machine")
         base_build = self.builds[(cell.baseline, cell.build_backend)]
         cand_build = self.builds[(cell.candidate, cell.build_backend)]
-        model = models.ensure_model(cell.model, self.matrix.models[cell.model])
+        # a split model is cut by the baseline build's llama-gguf-split (the shards do not depend on the build)
+        model = models.ensure_model(cell.model, self.matrix.models[cell.model], base_build)
         corpus = models.ensure_corpus(model, tokens=max(4000, 2 * cell.ppl_ctx + 500))
         prompt = corpus.read_text()
         env = dict(self.matrix.knobs[cell.knobs])
