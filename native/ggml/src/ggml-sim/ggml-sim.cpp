@@ -1332,10 +1332,17 @@ ggml_backend_dev_t sim_reg_get_device(ggml_backend_reg_t reg, size_t index) {
 // adjacent lines of one range, and neither faults pages in nor changes their residency. It fails with ENOMEM
 // exactly when part of the range is unmapped. What it does not prove: that the pages are readable (a
 // PROT_NONE mapping passes), which CUDA would also refuse; no caller of ours maps such memory.
-// On success returns true; else false with the first unmapped chunk in [*hole_lo, *hole_hi).
-bool sim_range_is_mapped(void * ptr, size_t size, uintptr_t * hole_lo, uintptr_t * hole_hi) {
+// On success returns true; else false with the address of the first unmapped page in *hole.
+#ifndef _WIN32
+static bool sim_pages_mapped(uintptr_t lo, uintptr_t hi, unsigned char * vec) {
+    // another error (EAGAIN: the kernel ran short of memory) says nothing about holes
+    return mincore((void *) lo, hi - lo, vec) == 0 || errno != ENOMEM;
+}
+#endif
+
+bool sim_range_is_mapped(void * ptr, size_t size, uintptr_t * hole) {
 #ifdef _WIN32
-    GGML_UNUSED(ptr); GGML_UNUSED(size); GGML_UNUSED(hole_lo); GGML_UNUSED(hole_hi);
+    GGML_UNUSED(ptr); GGML_UNUSED(size); GGML_UNUSED(hole);
     return true; // not modelled on Windows
 #else
     const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
@@ -1345,10 +1352,10 @@ bool sim_range_is_mapped(void * ptr, size_t size, uintptr_t * hole_lo, uintptr_t
     std::vector<unsigned char> vec(chunk / page);
     for (uintptr_t a = lo; a < hi; a += chunk) {
         const uintptr_t b = std::min(hi, a + chunk);
-        // another error (EAGAIN: the kernel ran short of memory) says nothing about holes
-        if (mincore((void *) a, b - a, vec.data()) != 0 && errno == ENOMEM) {
-            *hole_lo = a;
-            *hole_hi = b;
+        if (!sim_pages_mapped(a, b, vec.data())) {
+            // page by page inside the chunk, so the log names the hole itself
+            for (*hole = a; *hole < b && sim_pages_mapped(*hole, *hole + page, vec.data()); *hole += page) {
+            }
             return false;
         }
     }
@@ -1374,13 +1381,14 @@ bool sim_host_map(void * ptr, size_t size) {
     op.kind = "host_map"; op.async = false; op.ptr = (uintptr_t) ptr; op.bytes = size;
     {
         std::lock_guard<std::mutex> lock(m.mutex);
-        uintptr_t hole_lo = 0, hole_hi = 0;
+        uintptr_t hole = 0;
         auto it = m.refs.find(op.ptr);
         // a range mapped already is only counted, as CUDA does, so the probe runs on first registration only
-        const bool mapped = it != m.refs.end() || (ptr != nullptr && sim_range_is_mapped(ptr, size, &hole_lo, &hole_hi));
+        const bool mapped = it != m.refs.end() || (ptr != nullptr && sim_range_is_mapped(ptr, size, &hole));
         if (!mapped) {
-            GGML_LOG_WARN("ggml_sim: host_map refuses %.2f MiB at %p: part of it is not mapped (a hole in [%p, %p)), "
-                    "which cudaHostRegister refuses too\n", size / 1024.0 / 1024.0, ptr, (void *) hole_lo, (void *) hole_hi);
+            GGML_LOG_WARN("ggml_sim: host_map refuses %.2f MiB at %p: the page at %p (+%.2f MiB) is not mapped, which "
+                    "cudaHostRegister refuses too\n", size / 1024.0 / 1024.0, ptr, (void *) hole,
+                    ((double) hole - (double) (uintptr_t) ptr) / 1024.0 / 1024.0);
         }
         const bool fail_nth = it == m.refs.end() && ++m.n_new == sim_cfg().host_map_fail_nth;
         if (sim_cfg().host_map_fail || fail_nth || ptr == nullptr || !mapped) {
