@@ -29,7 +29,8 @@ from pyllama_moe.trees import Tree
 
 STAMP_NAME = "pyllama-moe-stamp.json"
 BACKENDS = ("cpu", "cuda")
-DEFAULT_TARGETS = ("llama", "llama-bench", "llama-perplexity", "llama-completion", "test-backend-ops")
+# llama-gguf-split: the split-GGUF models of the matrix are cut by llama.cpp's own tool (models.py)
+DEFAULT_TARGETS = ("llama", "llama-bench", "llama-perplexity", "llama-completion", "test-backend-ops", "llama-gguf-split")
 PATCHED_ONLY_TARGETS = ("llama-moe-copy-probe",)  # tools the patch series adds (bench --pcie-bound)
 COMMON_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF", "-DGGML_CCACHE=OFF",

@@ -2,7 +2,9 @@
 
 Per cell: all-position logits of a prompt (raw f32, sha256 first; on a mismatch the first differing
 position, max-abs, mean KLD and top-1 agreement), perplexity from llama-perplexity (per-chunk and final
-values; on a mismatch llama-perplexity's KL-divergence mode for diagnostics), and greedy text.
+values; on a mismatch llama-perplexity's KL-divergence mode for diagnostics), and greedy text. On a GPU-like
+device (SIM, CUDA) with host experts loaded with mmap, the candidate must also have page-locked every one of
+them in place (`pinned`), not fallen back to a copy.
 A cell passes when what it computed matches its `expect`; a CUDA cell on a machine without a GPU is
 deferred, never passed; a run where no cell passed fails.
 """
@@ -115,7 +117,8 @@ class Harness:
             return CellResult(cell, "deferred", note="needs a CUDA GPU; none on this machine")
         base_build = self.builds[(cell.baseline, cell.build_backend)]
         cand_build = self.builds[(cell.candidate, cell.build_backend)]
-        model = models.ensure_model(cell.model, self.matrix.models[cell.model])
+        # a split model is cut by the baseline build's llama-gguf-split (the shards do not depend on the build)
+        model = models.ensure_model(cell.model, self.matrix.models[cell.model], base_build)
         corpus = models.ensure_corpus(model, tokens=max(4000, 2 * cell.ppl_ctx + 500))
         prompt = corpus.read_text()
         env = dict(self.matrix.knobs[cell.knobs])
@@ -136,6 +139,8 @@ class Harness:
         cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env,
                                                                stats=prefetch_on, **common))
         checks = []
+        if cell.candidate == "patched" and cell.backend != "cpu" and cell.load == "mmap" and cell.offload != "all":
+            checks.append(pin_check(cand.log))
         if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
             checks.append(prefetch_check(cell, env, cand.stats))
         if oplog is not None:
@@ -206,6 +211,22 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
     ok = (arena > 0) == staging and (uploads > 0) == ahead
     return Check("prefetch", ok, {"expect_staging": staging, "expect_uploads_ahead": ahead, **prompt})
+
+
+PINNED_IN_PLACE = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of expert weights registered with (\S+) "
+                             r"\(page-locked in place: (\d+) range")
+
+
+def pin_check(log: str) -> Check:
+    """Every host expert the device uploads from the mapped file was page-locked in place: the line that says so,
+    and no other (a partial registration, a copy or a refusal has its own words). With a split GGUF, a range
+    merged across two shards' mappings spanned a hole and every expert fell back to a copy (issue 11, item 2)."""
+    lines = [line[line.index("llama_moe: "):] for line in log.splitlines() if "llama_moe: " in line]
+    m = PINNED_IN_PLACE.search(lines[0]) if len(lines) == 1 else None
+    detail = {"log": lines[:3]}
+    if m:
+        detail.update(expert_bytes=m.group(1), device=m.group(2), ranges=int(m.group(3)))
+    return Check("pinned", m is not None, detail)
 
 
 def read_sim_oplog(oplog: Path) -> tuple[set, int]:

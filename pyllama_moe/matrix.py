@@ -3,7 +3,9 @@
 A file has `[models.NAME]` (how to synthesise each model), `[axes]` (the columns: each a list of values),
 `[defaults]` (options every cell starts from), `[subsets.NAME]` (`pairwise = true`: a small set of cells
 that covers every pair of values of every two axes at least once; or `where = {axis = [values]}` to filter
-the product), and `[[controls]]` (extra cells, e.g. negative controls that must be reported as mismatches).
+the product), `[[cells]]` (extra cells outside the product, e.g. of a model only a few columns need) and
+`[[controls]]` (extra cells that are negative controls, which must be reported as mismatches). An extra cell
+belongs to every subset whose filter it matches.
 Every option of a cell is checked: an unknown name or value is an error naming the file and the cell.
 """
 
@@ -80,6 +82,7 @@ class Matrix:
     defaults: dict
     subsets: dict[str, dict]
     controls: list[dict] = field(default_factory=list)
+    extra: list[dict] = field(default_factory=list)  # [[cells]]
 
     def cells(self, subset: str | None = None) -> list[Cell]:
         if subset is None or subset == "full":
@@ -93,9 +96,10 @@ class Matrix:
                 combos = pairwise_cover(combos, [a for a in AXES if a in self.axes])
         where = (self.subsets.get(subset) or {}).get("where") or {}
         cells = [self._cell({**self.defaults, **combo}, f"cell {combo}") for combo in combos]
-        controls = [self._cell({**self.defaults, **ctl}, f"control {ctl.get('name', '?')}") for ctl in self.controls]
-        # a control belongs to a subset when it matches the subset's filter on the axes it names
-        cells += [c for c in controls if all(getattr(c, a) in vals for a, vals in where.items())]
+        extra = [self._cell({**self.defaults, **x}, f"cell {x}") for x in self.extra]
+        extra += [self._cell({**self.defaults, **ctl}, f"control {ctl.get('name', '?')}") for ctl in self.controls]
+        # an extra cell belongs to a subset when it matches the subset's filter on the axes it names
+        cells += [c for c in extra if all(getattr(c, a) in vals for a, vals in where.items())]
         return cells
 
     def _product(self, where: dict | None = None) -> list[dict]:
@@ -164,7 +168,7 @@ def load_matrix(path: Path) -> Matrix:
         raise UserError(f"matrix file {path} does not exist", "pass one of the files in ci/ (e.g. ci/matrix.toml)") from exc
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"matrix file {path} is not valid TOML ({exc})", "fix the syntax") from exc
-    known = {"models", "knobs", "sim", "axes", "defaults", "subsets", "controls"}
+    known = {"models", "knobs", "sim", "axes", "defaults", "subsets", "cells", "controls"}
     unknown = set(data) - known
     if unknown:
         raise UserError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}", f"use: {', '.join(sorted(known))}")
@@ -174,4 +178,4 @@ def load_matrix(path: Path) -> Matrix:
             raise UserError(f"{path}: unknown axis {axis!r}", f"use one of: {', '.join(AXES)}")
     knobs = {"off": {}, **data.get("knobs", {})}
     return Matrix(path, data.get("models", {}), knobs, {k: str(v) for k, v in data.get("sim", {}).items()}, axes, data.get("defaults", {}), data.get("subsets", {}),
-                  data.get("controls", []))
+                  data.get("controls", []), data.get("cells", []))

@@ -25,12 +25,14 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
     cells = report["cells"]
     identity = [c for c in cells if c["cell"]["expect"] == "identical"]
     assert len(identity) >= 7 and all(c["status"] == "pass" for c in identity)
-    assert {c["cell"]["model"] for c in identity} == {"qwen3moe", "glm4moe"}
+    assert {c["cell"]["model"] for c in identity} == {"qwen3moe", "glm4moe", "qwen3moe-split"}
     assert {c["cell"]["backend"] for c in identity} == {"cpu", "sim", "sim2"}
     for cell in identity:
         checks = {c["name"]: c for c in cell["checks"]}
         sim = cell["cell"]["backend"] != "cpu"
         expected = {"logits", "text", "perplexity"} | ({"sim-races"} if sim else set())
+        # experts on the host of a SIM cell with mmap: they must have been page-locked in place
+        expected |= {"pinned"} if sim and cell["cell"]["load"] == "mmap" and cell["cell"]["offload"] != "all" else set()
         # with the prefetch forced on, a sim cell also proves the copies went ahead (or, below the batch, did not)
         expected |= {"prefetch"} if sim and cell["cell"]["knobs"].startswith("prefetch") else set()
         assert set(checks) == expected and all(c["identical"] for c in checks.values())

@@ -77,3 +77,19 @@ def test_a_run_with_no_passed_cell_fails():
     assert summarize([CellResult(None, "deferred")])[0] == 1
     assert summarize([CellResult(None, "pass"), CellResult(None, "deferred")])[0] == 0
     assert summarize([CellResult(None, "pass"), CellResult(None, "fail")])[0] == 1
+
+
+def test_split_model_cells_are_in_the_ci_and_gpu_subsets():
+    m = load_matrix(CI_DIR / "matrix.toml")
+    assert m.models["qwen3moe-split"]["split"] == 3
+    for subset, backends in (("ci", {"cpu", "sim", "sim2"}), ("gpu", {"cuda"})):
+        cells = [c for c in m.cells(subset) if c.model == "qwen3moe-split"]
+        assert {c.backend for c in cells} == backends and all(c.load == "mmap" for c in cells)
+    # extra cells stay out of subsets whose filter they do not match
+    assert not [c for c in m.cells("prefetch") + m.cells("demo") if c.model == "qwen3moe-split"]
+
+
+def test_extra_cells_are_checked(tmp_path):
+    m = load_matrix(_matrix_file(tmp_path, '[[cells]]\nmodel = "m"\nbackend = "tpu"\n'))
+    with pytest.raises(UserError, match="unknown backend 'tpu'"):
+        m.cells()

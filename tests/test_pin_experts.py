@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ import pytest
 from pyllama_moe import ffi, models, runner
 from pyllama_moe.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
+from pyllama_moe.synth.gguf_read import read_gguf
 
 SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50"}
 REGISTERED = "expert weights registered with SIM0"
@@ -270,3 +272,144 @@ def test_no_pin_experts_flag_turns_it_off(patched_build, model):
     on = subprocess.run(base, env={**env, "LLAMA_MOE_PIN_EXPERTS": "0", "LLAMA_ARG_PIN_EXPERTS": "1"},
                         capture_output=True, text=True, timeout=600)
     assert on.returncode == 0 and REGISTERED in on.stderr, on.stderr[-3000:]
+
+
+# issue 11, item 2: split GGUF files. llama.cpp keeps one mapping per shard and unmaps each shard's head
+# (metadata) and tail (weights of GPU layers); shards mapped one below the other are a few pages apart, so a
+# range merged across two of them spans a hole, which cudaHostRegister (and SIM) refuse.
+SPLIT = "qwen3moe-split"
+REFUSED = "ggml_sim: host_map refuses"
+MAX_GAP = 16 << 20  # the gap the pin code locks along inside one mapping
+SPLIT_KEPT = "of expert weights pinned: "
+
+
+@pytest.fixture(scope="module")
+def split_model(master_build):
+    matrix = load_matrix(CI_DIR / "matrix.toml")
+    # the same model as the single file: only the split differs, so the two must compute the same bytes
+    assert {k: v for k, v in matrix.models[SPLIT].items() if k != "split"} == matrix.models["qwen3moe"]
+    return models.ensure_model(SPLIT, matrix.models[SPLIT], master_build)
+
+
+def _pin_lines(text):
+    """What a failed assertion shows: the pin code's line and SIM's refusals, not the whole log."""
+    return "\n".join(line for line in text.splitlines() if "llama_moe: " in line or REFUSED in line)
+
+
+def _pinned_expert_mib(text, what="registered with SIM0"):
+    m = re.search(r"llama_moe: ([0-9.]+) MiB of expert weights " + re.escape(what), text)
+    assert m, text[-3000:]
+    return float(m.group(1))
+
+
+def _model_ranges(log):
+    """[(ptr, bytes)] the model registered (refs 0 -> 1), by address."""
+    return sorted((int(op["ptr"], 16) if isinstance(op["ptr"], str) else op["ptr"], op["bytes"])
+                  for op in _ops(log) if op["op"] == "host_map" and op["ok"] and op["refs"] == 1)
+
+
+def test_the_split_model_has_three_shards(split_model):
+    shards = sorted(split_model.parent.glob("*.gguf"))
+    assert [s.name for s in shards] == [models.shard_name(SPLIT, i, 3) for i in (1, 2, 3)]
+    infos = [read_gguf(s) for s in shards]
+    assert all(info.kv["split.count"] == 3 for info in infos)
+    # every shard holds experts, so each is a mapping of its own with a range of its own
+    assert all(any("_exps" in name for name in info.tensors) for info in infos)
+
+
+def test_sim_refuses_a_range_that_is_not_wholly_mapped(patched_build, tmp_path):
+    # three pages with the middle one unmapped: the whole range is refused, each mapped page alone is not
+    log = tmp_path / "ops.jsonl"
+    code = textwrap.dedent("""
+        import ctypes, mmap, sys
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        ggml = ctypes.CDLL(sys.argv[1])
+        ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+        ggml.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+        ggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+        ggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        reg = ggml.ggml_backend_reg_by_name(b"SIM")
+        host_map = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_size_t)(
+            ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_host_map"))
+        host_unmap = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_host_unmap"))
+        page = mmap.PAGESIZE
+        base = libc.mmap(None, 3 * page, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        assert base not in (None, ctypes.c_void_p(-1).value)
+        assert libc.munmap(base + page, page) == 0
+        whole = host_map(base, 3 * page)
+        first, last = host_map(base, page), host_map(base + 2 * page, page)
+        host_unmap(base)
+        host_unmap(base + 2 * page)
+        print(whole, first, last, hex(base + page))
+    """)
+    env = {**os.environ, "GGML_SIM_DEVICES": "1", "GGML_SIM_OPLOG": str(log)}
+    proc = subprocess.run([sys.executable, "-c", code, str(patched_build.bin_dir / "libggml.so")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *got, hole = proc.stdout.split()
+    assert got == ["False", "True", "True"], proc.stdout + proc.stderr[-2000:]
+    # the refusal names the unmapped page itself
+    assert proc.stderr.count(REFUSED) == 1 and f"the page at {hole} (+0.00 MiB) is not mapped" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert [(op["op"], op["ok"]) for op in _ops(log)] == [("host_map", False), ("host_map", True), ("host_map", True),
+                                                          ("host_unmap", True), ("host_unmap", True)]
+
+
+def test_a_split_model_pins_what_the_single_file_pins(patched_build, src, model, split_model, pin_off, tmp_path):
+    one, split = tmp_path / "one.jsonl", tmp_path / "split.jsonl"
+    single = _run(patched_build, src, model, {"GGML_SIM_OPLOG": str(one)})
+    got = _run(patched_build, src, split_model, {"GGML_SIM_OPLOG": str(split)})
+    # on the series before issue 11 item 2, a range merged across shards hit a hole, SIM refused it, and every
+    # expert was copied instead ("copied into pinned memory ... registration with SIM0 failed")
+    assert REFUSED not in got.log and got.log.count("llama_moe: ") == 1, _pin_lines(got.log)
+    assert _pinned_expert_mib(got.log) == _pinned_expert_mib(single.log)
+    ranges = _model_ranges(split)
+    assert len(ranges) >= 3, ranges  # at least one per shard: none spans two mappings
+    # the planted case: two of the split's ranges (necessarily of two shards, since inside one mapping ranges
+    # this close are one) lie closer than the gap the old code merged across
+    gaps = [b_ptr - (a_ptr + a_size) for (a_ptr, a_size), (b_ptr, _) in zip(ranges, ranges[1:])]
+    assert min(gaps) < MAX_GAP, f"the shards were mapped far apart ({gaps}): the case this test plants did not occur"
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+
+
+def test_a_range_that_fails_costs_only_its_own_experts(patched_build, src, split_model, pin_off, tmp_path):
+    # the second shard's range is refused: the other two stay registered, its experts (layer 1's) are copied
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, split_model, {"GGML_SIM_HOST_MAP_FAIL_NTH": "2", "GGML_SIM_OPLOG": str(log)})
+    assert got.log.count("llama_moe: ") == 1 and SPLIT_KEPT in got.log, _pin_lines(got.log)
+    assert "copied into pinned memory (SIM_Host) since 1 range(s) failed to register" in got.log, _pin_lines(got.log)
+    ops = _ops(log)
+    attempts = [op for op in ops if op["op"] == "host_map" and op["refs"] <= 1]
+    assert [op["ok"] for op in attempts] == [True, False, True], attempts
+    kept = {op["ptr"] for op in attempts if op["ok"]}
+    # the kept ranges are referenced by the context too, and released at the end
+    for ptr in kept:
+        assert [(op["op"], op["refs"]) for op in ops if op["ptr"] == ptr] == [
+            ("host_map", 1), ("host_map", 2), ("host_unmap", 1), ("host_unmap", 0)]
+    sets = [op for op in _ops(log, ("set",)) if "_exps" in op["tensor"] and op["dev"] == "SIM_Host"]
+    assert sorted(op["tensor"] for op in sets) == sorted(f"blk.1.ffn_{w}_exps.weight" for w in ("gate", "up", "down"))
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
+
+
+def test_a_range_that_fails_with_no_room_for_a_copy_keeps_the_others(patched_build, src, split_model, pin_off,
+                                                                   tmp_path):
+    # a budget that takes the first two shards' ranges, not the third's: the first is refused, the second stays
+    # registered, and a copy of the rest (the first and third shards' experts) does not fit what is left of it
+    plain = tmp_path / "plain.jsonl"
+    _run(patched_build, src, split_model, {"GGML_SIM_OPLOG": str(plain)})
+    r1, r2, r3 = [op["bytes"] for op in _ops(plain) if op["op"] == "host_map" and op["refs"] == 1]  # file order
+    budget_mib = -(-(r1 + r2) // (1 << 20))
+    # under a MiB is left for the third range: not even one piece of it (a layer's experts) fits
+    assert budget_mib << 20 < r1 + r2 + min(r3, 1 << 20), (r1, r2, r3)
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, split_model, {"GGML_SIM_HOST_MAP_FAIL_NTH": "1", "GGML_SIM_OPLOG": str(log),
+                                                  "LLAMA_MOE_PIN_BUDGET_MIB": str(budget_mib)})
+    assert got.log.count("llama_moe: ") == 1, _pin_lines(got.log)
+    assert re.search(r"MiB of 6.38 MiB of expert weights registered with SIM0 \(page-locked in place: 1 range\(s\), "
+                     r"[0-9.]+ MiB\); the rest stays pageable: 1 range\(s\) failed to register and a pinned copy needs "
+                     rf".* besides the registered ranges, and a budget of {budget_mib}.00 MiB", got.log), _pin_lines(got.log)
+    assert [size for _, size in _model_ranges(log)] == [r2]
+    assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated

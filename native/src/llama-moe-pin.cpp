@@ -208,12 +208,17 @@ static size_t page_size() {
 #endif
 }
 
-// page-aligned ranges covering the tensors; a gap of up to 16 MiB between two of them (norms, router weights)
-// is locked along, a larger one (a layer's attention weights, which a GPU layer already holds in VRAM) is not,
-// so little beyond the experts stays locked in memory. A copy from host memory that is only partly page-locked
-// fails (CUDA: invalid argument, seen with -ngl 2 where an offloaded attention weight of a CPU layer shared a
-// page with an expert tensor), so no range may cut through a host tensor read from the mapping (`mapped`): each
-// range is widened over the ones it touches, and ranges that come to overlap are merged, until none is cut.
+// page-aligned ranges covering the tensors, which all lie in one file mapping; a gap of up to 16 MiB between two
+// of them (norms, router weights) is locked along, a larger one (a layer's attention weights, which a GPU layer
+// already holds in VRAM) is not, so little beyond the experts stays locked in memory. A copy from host memory
+// that is only partly page-locked fails (CUDA: invalid argument, seen with -ngl 2 where an offloaded attention
+// weight of a CPU layer shared a page with an expert tensor), so no range may cut through a host tensor read
+// from the mapping (`mapped`, of the same mapping): each range is widened over the ones it touches, and ranges
+// that come to overlap are merged, until none is cut. One mapping at a time because a gap between two mappings
+// is no gap of the file: the shards of a split model are mapped one below the other, and llama.cpp unmaps
+// each one's head (metadata) and tail (weights of GPU layers), so a range across two of them spans a hole,
+// which cudaHostRegister refuses. Inside one mapping everything between the first and the last host tensor
+// stays mapped.
 static std::vector<pin_range> expert_ranges(std::vector<ggml_tensor *> tensors, const std::vector<std::pair<uintptr_t, uintptr_t>> & mapped) {
     const uintptr_t page    = page_size();
     const uintptr_t max_gap = 16u*1024*1024;
@@ -307,24 +312,37 @@ static ggml_backend_buffer_ptr copy_to_pinned(ggml_backend_buffer_type_t buft, c
     return buf;
 }
 
+static bool is_inside(const ggml_tensor * t, const std::vector<pin_range> & ranges) {
+    const char * lo = (const char *) t->data, * hi = lo + ggml_nbytes(t);
+    return std::any_of(ranges.begin(), ranges.end(), [lo, hi](const pin_range & r) {
+        return lo >= (const char *) r.ptr && hi <= (const char *) r.ptr + r.size;
+    });
+}
+
 void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair<void *, size_t>> & maps) {
-    // the expert tensors (what --cpu-moe and -ncmoe match) that are read from the mapped file
+    // the expert tensors (what --cpu-moe and -ncmoe match) that are read from a mapped file, per mapping (one per
+    // file of a split model)
     static const std::regex re_exps("\\.ffn_(up|down|gate|gate_up)_(ch|)exps");
+    std::vector<std::vector<ggml_tensor *>> map_tensors(maps.size());
+    std::vector<std::vector<std::pair<uintptr_t, uintptr_t>>> map_spans(maps.size()); // every host tensor read from it
     std::vector<ggml_tensor *> tensors;
-    std::vector<std::pair<uintptr_t, uintptr_t>> mapped_spans; // every host tensor read from the mapping
+    std::vector<std::pair<uintptr_t, uintptr_t>> mapped_spans;
     uint64_t n_bytes = 0;
     for (const auto & [name, t] : model.tensors_by_name) {
         if (!t->buffer || !t->data || t->view_src || !ggml_backend_buffer_is_host(t->buffer)) {
             continue;
         }
-        const bool mapped = std::any_of(maps.begin(), maps.end(), [t](const std::pair<void *, size_t> & m) {
+        const auto m = std::find_if(maps.begin(), maps.end(), [t](const std::pair<void *, size_t> & m) {
             return (char *) t->data >= (char *) m.first && (char *) t->data + ggml_nbytes(t) <= (char *) m.first + m.second;
         });
-        if (!mapped) {
+        if (m == maps.end()) {
             continue;
         }
-        mapped_spans.emplace_back((uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t));
+        const size_t idx = m - maps.begin();
+        map_spans[idx].emplace_back((uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t));
+        mapped_spans.push_back(map_spans[idx].back());
         if (std::regex_search(name, re_exps)) {
+            map_tensors[idx].push_back(t);
             tensors.push_back(t);
             n_bytes += ggml_nbytes(t);
         }
@@ -383,8 +401,14 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
              budget_mib >= 0 ? "" : " (LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget set it lower)");
 
     // 1. page-lock the mapped ranges in place: no copy, no extra memory; whole ranges while they fit the budget,
-    //    then the pieces of the next one that fit
-    std::vector<pin_range> ranges = expert_ranges(tensors, mapped_spans);
+    //    then the pieces of the next one that fit; in file order (the shards of a split model in their order)
+    std::vector<pin_range> ranges;
+    for (size_t i = 0; i < maps.size(); i++) {
+        if (!map_tensors[i].empty()) {
+            const std::vector<pin_range> r = expert_ranges(map_tensors[i], map_spans[i]);
+            ranges.insert(ranges.end(), r.begin(), r.end());
+        }
+    }
     uint64_t n_range_bytes = 0;
     for (const pin_range & r : ranges) {
         n_range_bytes += r.size;
@@ -406,13 +430,24 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
         }
         break; // file order: the rest stays pageable
     }
-    for (const pin_range & r : chosen) {
-        if (!map(r.ptr, r.size)) {
-            break;
-        }
-        st.ranges.push_back(r);
+    if (chosen.empty()) {
+        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: not one range of them fits the %s of page-locked "
+                "memory allowed, %s\n", fmt_size(n_bytes).c_str(), fmt_size(budget).c_str(), why_budget);
+        return; // a pinned copy would need more still
     }
-    if (!chosen.empty() && st.ranges.size() == chosen.size()) { // every chosen range registered: n_chosen bytes
+    // each range on its own: one that fails (a hole, a driver limit) costs only its own experts, and the ranges
+    // that registered stay registered
+    uint64_t n_registered = 0;
+    size_t   n_failed     = 0;
+    for (const pin_range & r : chosen) {
+        if (map(r.ptr, r.size)) {
+            st.ranges.push_back(r);
+            n_registered += r.size;
+        } else {
+            n_failed++;
+        }
+    }
+    if (n_failed == 0) {
         if (n_chosen < n_range_bytes) {
             LLAMA_LOG_WARN("llama_moe: %s of %s of expert ranges registered with %s (page-locked in place: %zu range(s)); "
                     "the rest stays pageable: %s of page-locked memory fit, %s\n",
@@ -426,45 +461,66 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
         g_models[&model] = std::move(st);
         return;
     }
-    if (chosen.empty()) {
-        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: not one range of them fits the %s of page-locked "
-                "memory allowed, %s\n", fmt_size(n_bytes).c_str(), fmt_size(budget).c_str(), why_budget);
-        return; // a pinned copy would need more still
-    }
-    for (const pin_range & r : st.ranges) {
-        unmap(r.ptr);
-    }
-    st.ranges.clear();
 
-    // 2. a pinned copy, if it leaves a margin of the memory actually available: the mapped pages stay in the
-    //    page cache (reclaimable) and the copy is locked, so an over-commit here would push the system to swap or
-    //    the OOM killer rather than fail cleanly
+    // 2. the experts not page-locked in place (those of the ranges that failed, and any the budget left out) as a
+    //    pinned copy, if it leaves a margin of the memory actually available: the mapped pages stay in the page
+    //    cache (reclaimable) and the copy is locked, so an over-commit here would push the system to swap or the
+    //    OOM killer rather than fail cleanly; the ranges registered already are locked too, so they count
+    std::vector<ggml_tensor *> rest;
+    uint64_t n_in_place = 0; // expert bytes page-locked in place
+    for (ggml_tensor * t : tensors) {
+        if (is_inside(t, st.ranges)) {
+            n_in_place += ggml_nbytes(t);
+        } else {
+            rest.push_back(t);
+        }
+    }
+    const uint64_t copy_avail = mem.avail > n_registered ? mem.avail - n_registered : 0;
+    const uint64_t copy_budget = budget > n_registered ? budget - n_registered : 0;
     ggml_backend_buffer_type_t buft = ggml_backend_dev_host_buffer_type(dev);
+    char why_not[512] = "";
+    size_t need = 0;
     if (!buft) {
-        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and it has no pinned host buffer type\n",
-                fmt_size(n_bytes).c_str(), dev_name);
+        snprintf(why_not, sizeof(why_not), "it has no pinned host buffer type");
+    } else {
+        const size_t align = ggml_backend_buft_get_alignment(buft);
+        need = align;
+        for (const ggml_tensor * t : rest) {
+            need += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align);
+        }
+        if (!mem.known || need + margin > copy_avail || need > copy_budget) {
+            snprintf(why_not, sizeof(why_not), "a pinned copy needs %s + a %s margin, %s available%s%s%s",
+                    fmt_size(need).c_str(), fmt_size(margin).c_str(),
+                    mem.known ? fmt_size(copy_avail).c_str() : "an unknown amount (taken as none)",
+                    n_registered > 0 ? " besides the registered ranges" : "",
+                    budget_mib >= 0 ? ", and a budget of " : "", budget_mib >= 0 ? fmt_size((uint64_t) budget_mib << 20).c_str() : "");
+        } else {
+            st.copy = copy_to_pinned(buft, rest, need);
+            if (!st.copy) {
+                snprintf(why_not, sizeof(why_not), "%s of %s could not be allocated", fmt_size(need).c_str(), ggml_backend_buft_name(buft));
+            }
+        }
+    }
+    const uint64_t n_copied = st.copy ? n_bytes - n_in_place : 0;
+    if (st.ranges.empty() && !st.copy) {
+        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and %s\n",
+                fmt_size(n_bytes).c_str(), dev_name, why_not);
         return;
     }
-    const size_t align = ggml_backend_buft_get_alignment(buft);
-    size_t need = align;
-    for (const ggml_tensor * t : tensors) {
-        need += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align);
+    if (st.ranges.empty()) {
+        LLAMA_LOG_INFO("llama_moe: %s of expert weights copied into pinned memory (%s): registration with %s failed; %s were available\n",
+                fmt_size(n_bytes).c_str(), ggml_backend_buft_name(buft), dev_name, fmt_size(mem.avail).c_str());
+    } else if (st.copy) {
+        LLAMA_LOG_INFO("llama_moe: %s of expert weights pinned: %s registered with %s (page-locked in place: %zu range(s), %s), "
+                "%s copied into pinned memory (%s) since %zu range(s) failed to register\n",
+                fmt_size(n_bytes).c_str(), fmt_size(n_in_place).c_str(), dev_name, st.ranges.size(),
+                fmt_size(n_registered).c_str(), fmt_size(n_copied).c_str(), ggml_backend_buft_name(buft), n_failed);
+    } else {
+        LLAMA_LOG_WARN("llama_moe: %s of %s of expert weights registered with %s (page-locked in place: %zu range(s), %s); "
+                "the rest stays pageable: %zu range(s) failed to register and %s\n",
+                fmt_size(n_in_place).c_str(), fmt_size(n_bytes).c_str(), dev_name, st.ranges.size(),
+                fmt_size(n_registered).c_str(), n_failed, why_not);
     }
-    if (!mem.known || need + margin > mem.avail || need > budget) {
-        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and a pinned copy needs "
-                "%s + a %s margin, %s available%s%s\n", fmt_size(n_bytes).c_str(), dev_name, fmt_size(need).c_str(), fmt_size(margin).c_str(),
-                mem.known ? fmt_size(mem.avail).c_str() : "an unknown amount (taken as none)",
-                budget_mib >= 0 ? ", and a budget of " : "", budget_mib >= 0 ? fmt_size((uint64_t) budget_mib << 20).c_str() : "");
-        return;
-    }
-    st.copy = copy_to_pinned(buft, tensors, need);
-    if (!st.copy) {
-        LLAMA_LOG_WARN("llama_moe: %s of expert weights left pageable: registration with %s failed and %s of %s could not be allocated\n",
-                fmt_size(n_bytes).c_str(), dev_name, fmt_size(need).c_str(), ggml_backend_buft_name(buft));
-        return;
-    }
-    LLAMA_LOG_INFO("llama_moe: %s of expert weights copied into pinned memory (%s): registration with %s failed; %s were available\n",
-            fmt_size(n_bytes).c_str(), ggml_backend_buft_name(buft), dev_name, fmt_size(mem.avail).c_str());
     std::lock_guard<std::mutex> lock(g_mutex);
     g_models[&model] = std::move(st);
 }

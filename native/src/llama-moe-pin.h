@@ -3,9 +3,10 @@
 // Expert tensors kept on the host (--cpu-moe, -ncmoe, --fit) are mmap'ed from the model file by default,
 // i.e. pageable: a GPU uploads them through a bounce buffer, several times slower than from page-locked
 // memory and without overlapping compute. At load, when a GPU's registry offers ggml_backend_host_map
-// (ggml-host-map.h), the model page-locks the mapped range of its experts; if that fails it copies them
-// once into the GPU's pinned host buffer type, if they fit in the memory actually available; else they stay
-// pageable. Registration takes only what fits the memory available less a margin, or the budget of
+// (ggml-host-map.h), the model page-locks the mapped ranges of its experts, each range on its own and never
+// across two file mappings (the shards of a split model); the experts of ranges that fail are copied once
+// into the GPU's pinned host buffer type, if they fit in the memory actually available, and the ranges that
+// registered stay registered; else they stay pageable. Registration takes only what fits the memory available less a margin, or the budget of
 // llama_moe_default_set_pin_budget_mib (--pin-budget, LLAMA_MOE_PIN_BUDGET_MIB) if lower: page-locked pages
 // cannot be reclaimed, and experts larger than memory are a main reason to keep them on the host. Which path
 // was taken, how much was pinned and why not more, is logged once per model. Knob:

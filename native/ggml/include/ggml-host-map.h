@@ -8,7 +8,8 @@
 //   "ggml_backend_host_map"   (ggml_backend_host_map_t)   page-lock [ptr, ptr + size); true on success.
 //                             Read-only first (a PROT_READ file mapping cannot be locked for writing),
 //                             read-write as a fallback. A range that is already page-locked elsewhere is
-//                             counted, not registered again.
+//                             counted, not registered again. Fails when a page of the range is not mapped
+//                             (CUDA and SIM alike), so a caller must not let a range span two mappings.
 //   "ggml_backend_host_unmap" (ggml_backend_host_unmap_t) drop one reference to the range mapped at ptr;
 //                             the last one unregisters it. Nothing may still copy from the range.
 //

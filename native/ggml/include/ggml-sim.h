@@ -24,11 +24,13 @@
 //   GGML_SIM_DEBUG_SKIP_SYNC=1     fault injection: backend synchronize returns without waiting (negative control)
 //   GGML_SIM_HOST_MAP_FAIL=1       fault injection: the registry's "ggml_backend_host_map" proc (ggml-host-map.h)
 //                                  fails, as cudaHostRegister can, so callers take their fallback
+//   GGML_SIM_HOST_MAP_FAIL_NTH=N   fault injection: only the Nth registration of a new range in the process fails
+//                                  (1-based), so a caller with several ranges sees one of them refused
 //   GGML_OP_OFFLOAD_MIN_BATCH=B    the batch size from which ops are offloaded (default 32, as for CUDA)
 //
 // Host map: the registry offers "ggml_backend_host_map" and "ggml_backend_host_unmap" (ggml-host-map.h) as CUDA's
 // does. SIM memory needs no page-locking, so they only count references per base pointer (and fail on request,
-// above); each call writes a host_map / host_unmap line to the op log with the range's "ptr", its "refs" after the
+// above), and refuse a range of which a page is not mapped, as cudaHostRegister does; each call writes a host_map / host_unmap line to the op log with the range's "ptr", its "refs" after the
 // call (a register is refs 0 -> 1, an unregister 1 -> 0) and "ok".
 //
 // Race check: a buffer-level access from the calling thread (ggml_backend_tensor_set/get/memset/copy on SIM

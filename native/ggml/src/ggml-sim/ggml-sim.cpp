@@ -22,6 +22,7 @@
 #include "../ggml-backend-impl.h"
 #include "../ggml-impl.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -43,6 +44,8 @@
 #    include <process.h>
 #    define sim_getpid _getpid
 #else
+#    include <errno.h>
+#    include <sys/mman.h>
 #    include <unistd.h>
 #    define sim_getpid getpid
 #endif
@@ -62,6 +65,7 @@ struct sim_config {
     bool        poison             = false;
     bool        debug_skip_sync    = false;
     bool        host_map_fail      = false;
+    int64_t     host_map_fail_nth  = 0; // 0: none
     int64_t     offload_min_batch  = 32;
     std::string oplog_path;
 };
@@ -87,6 +91,7 @@ const sim_config & sim_cfg() {
         c.poison             = env_double("GGML_SIM_POISON", 0) != 0;
         c.debug_skip_sync    = env_double("GGML_SIM_DEBUG_SKIP_SYNC", 0) != 0;
         c.host_map_fail      = env_double("GGML_SIM_HOST_MAP_FAIL", 0) != 0;
+        c.host_map_fail_nth  = (int64_t) env_double("GGML_SIM_HOST_MAP_FAIL_NTH", 0);
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
         const char * log = getenv("GGML_SIM_OPLOG");
         c.oplog_path         = log ? log : "";
@@ -1315,13 +1320,53 @@ ggml_backend_dev_t sim_reg_get_device(ggml_backend_reg_t reg, size_t index) {
 
 //
 // host map (ggml-host-map.h): SIM memory is host memory, so there is nothing to page-lock; what is modelled is
-// the contract callers rely on (references counted per base pointer, the last unmap releases the range) and
-// its failure (GGML_SIM_HOST_MAP_FAIL=1), each logged so tests can see what a CUDA device would have done
+// the contract callers rely on (references counted per base pointer, the last unmap releases the range), its
+// refusal of a range that is not wholly mapped, and its failure (GGML_SIM_HOST_MAP_FAIL=1), each logged so
+// tests can see what a CUDA device would have done
 //
+
+// cudaHostRegister pins every page of the range and fails when one of them is not mapped (a hole left by
+// munmap, e.g. between two adjacent file mappings whose heads and tails llama.cpp unmapped). The probe is
+// mincore rather than a parse of /proc/self/maps: it asks the kernel about the range itself in one call per
+// chunk, needs no /proc (absent in some sandboxes), does not depend on a text format or on merging the
+// adjacent lines of one range, and neither faults pages in nor changes their residency. It fails with ENOMEM
+// exactly when part of the range is unmapped. What it does not prove: that the pages are readable (a
+// PROT_NONE mapping passes), which CUDA would also refuse; no caller of ours maps such memory.
+// On success returns true; else false with the address of the first unmapped page in *hole.
+#ifndef _WIN32
+static bool sim_pages_mapped(uintptr_t lo, uintptr_t hi, unsigned char * vec) {
+    // another error (EAGAIN: the kernel ran short of memory) says nothing about holes
+    return mincore((void *) lo, hi - lo, vec) == 0 || errno != ENOMEM;
+}
+#endif
+
+bool sim_range_is_mapped(void * ptr, size_t size, uintptr_t * hole) {
+#ifdef _WIN32
+    GGML_UNUSED(ptr); GGML_UNUSED(size); GGML_UNUSED(hole);
+    return true; // not modelled on Windows
+#else
+    const uintptr_t page  = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t lo    = (uintptr_t) ptr / page * page;
+    const uintptr_t hi    = ((uintptr_t) ptr + size + page - 1) / page * page;
+    const uintptr_t chunk = 4096 * page; // bounds the residency vector for ranges of many GiB
+    std::vector<unsigned char> vec(chunk / page);
+    for (uintptr_t a = lo; a < hi; a += chunk) {
+        const uintptr_t b = std::min(hi, a + chunk);
+        if (!sim_pages_mapped(a, b, vec.data())) {
+            // page by page inside the chunk, so the log names the hole itself
+            for (*hole = a; *hole < b && sim_pages_mapped(*hole, *hole + page, vec.data()); *hole += page) {
+            }
+            return false;
+        }
+    }
+    return true;
+#endif
+}
 
 struct sim_host_maps {
     std::mutex                              mutex;
-    std::unordered_map<uintptr_t, int>      refs; // base pointer -> references
+    std::unordered_map<uintptr_t, int>      refs;      // base pointer -> references
+    int64_t                                 n_new = 0; // registrations of a new range attempted
 };
 
 sim_host_maps & host_maps() {
@@ -1336,8 +1381,17 @@ bool sim_host_map(void * ptr, size_t size) {
     op.kind = "host_map"; op.async = false; op.ptr = (uintptr_t) ptr; op.bytes = size;
     {
         std::lock_guard<std::mutex> lock(m.mutex);
-        if (sim_cfg().host_map_fail || ptr == nullptr) {
-            auto it  = m.refs.find(op.ptr);
+        uintptr_t hole = 0;
+        auto it = m.refs.find(op.ptr);
+        // a range mapped already is only counted, as CUDA does, so the probe runs on first registration only
+        const bool mapped = it != m.refs.end() || (ptr != nullptr && sim_range_is_mapped(ptr, size, &hole));
+        if (!mapped) {
+            GGML_LOG_WARN("ggml_sim: host_map refuses %.2f MiB at %p: the page at %p (+%.2f MiB) is not mapped, which "
+                    "cudaHostRegister refuses too\n", size / 1024.0 / 1024.0, ptr, (void *) hole,
+                    ((double) hole - (double) (uintptr_t) ptr) / 1024.0 / 1024.0);
+        }
+        const bool fail_nth = it == m.refs.end() && ++m.n_new == sim_cfg().host_map_fail_nth;
+        if (sim_cfg().host_map_fail || fail_nth || ptr == nullptr || !mapped) {
             op.refs  = it == m.refs.end() ? 0 : it->second;
             op.ok    = false;
         } else {
@@ -1431,6 +1485,10 @@ ggml_backend_reg_t ggml_backend_sim_reg(void) {
                     cfg.poison ? "on" : "off", cfg.oplog_path.empty() ? "off" : cfg.oplog_path.c_str());
             if (cfg.host_map_fail) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_MAP_FAIL=1: ggml_backend_host_map fails (fault injection)\n");
+            }
+            if (cfg.host_map_fail_nth > 0) {
+                GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_MAP_FAIL_NTH=%lld: registration %lld of a new range fails (fault injection)\n",
+                        (long long) cfg.host_map_fail_nth, (long long) cfg.host_map_fail_nth);
             }
             if (cfg.debug_skip_sync) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_DEBUG_SKIP_SYNC=1: synchronize does not wait; results will be wrong (negative control)\n");
