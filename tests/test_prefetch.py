@@ -50,21 +50,25 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **SIM_SLOW, **env})
 
 
+# one split of staging for three (1 MiB each): every upload reuses the place the previous split reads
+RING_OVERLAP = {"GGML_SCHED_PREFETCH_STAGING_MIB": "1", "GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000"}
+
+
 @pytest.mark.parametrize("case,env", [
     ("baseline", {}),
     ("baseline", {"GGML_SCHED_PREFETCH_DEBUG_POISON": "1"}),
     ("small-batch", {}),
     ("input-view", {}),
     ("graph-writes-weight", {}),
-    ("arena-too-large", {"GGML_SIM_MEMORY_MIB": "0.55"}),
-    ("shrink", {"GGML_SIM_MEMORY_MIB": "0.9"}),
+    ("arena-too-large", {"GGML_SIM_MEMORY_MIB": "0.55"}),  # the ring of two splits does not fit, that of one does
+    ("shrink", {"GGML_SIM_MEMORY_MIB": "0.9"}),  # 4 slots of the largest split do not fit; the ring of two does
     ("headroom", {}),
     ("abort", {}),
     # slow computes, fast copies: an upload that does not wait for the previous graph lands under its last read
     # (poison off: SIM's poison fill of newly allocated tensors waits for the device, which would hide it)
     ("small-then-large", {"GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000", "GGML_SIM_POISON": "0"}),
     # issue 10: the retries of one procedure (each aborted, computed wrong or shrank the wrong arena before it)
-    ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.75"}),  # 4 slots do not fit next to the larger graph, 2 do
+    ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.35"}),  # two splits' staging does not fit next to the larger graph, one does
     ("headroom-at-alloc", {}),
     ("other-buffer-fails", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "2"}),
     # from a read of the change: the failed device before the one with the arena, and the headroom checked again
@@ -73,16 +77,34 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
     ("headroom-later", {"GGML_SIM_MEMORY_MIB": "64"}),
     ("small-only", {}),
     ("meta-input", {"GGML_SIM_DEVICES": "2"}),  # --split-mode tensor: aborted in the meta backend's async setter
+    # issue 11, item 3: staging in bytes, a ring over the splits' copies (each failed on the series before it)
+    ("mixed-sizes", {"GGML_SIM_MEMORY_MIB": "6"}),  # 8 MiB of slots do not fit, the 4.5 MiB ring does: not reduced
+    ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "5"}),  # a budget below depth x largest split, 4 ahead still
+    ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),  # below the largest split: raised to it, said once
+    ("budget-steps", {}),  # halved down to the largest split, then dropped, each step said once
+    # a reused place overwritten before its last reader (slow computes, fast copies), see the control below
+    ("ring-overlap", RING_OVERLAP),
+    ("ring-overlap", {**RING_OVERLAP, "GGML_SCHED_PREFETCH_DEBUG_POISON": "1"}),
 ])
 def test_hazard_handled(hazards, case, env):
     proc = _hazard(hazards, case, **env)
     assert proc.returncode == 0 and proc.stdout.startswith(f"ok {case}"), proc.stdout + proc.stderr[-3000:]
-    if case in ("arena-too-large", "headroom"):
-        assert "host-weight prefetch disabled on SIM0" in proc.stderr  # said once, with the reason
-    if case in ("shrink", "reserve-then-larger"):  # 4 slots do not fit, 2 do: the prefetch stays on with 2
-        assert "depth 4 reduced to 2" in proc.stderr and "disabled" not in proc.stderr
-    if case in ("other-buffer-fails", "earlier-buffer-fails", "headroom-later"):
+    if case == "headroom":
+        assert proc.stderr.count("host-weight prefetch disabled on SIM0") == 1  # said once, with the reason
+    if case in ("arena-too-large", "reserve-then-larger"):  # two splits' staging does not fit, one does: stays on
+        assert proc.stderr.count("staging budget 0.50 MiB reduced to 0.25 MiB") == 1 and "disabled" not in proc.stderr
+    if case in ("shrink", "other-buffer-fails", "earlier-buffer-fails", "headroom-later", "mixed-sizes", "ring-overlap"):
         assert "reduced" not in proc.stderr and "disabled" not in proc.stderr
+    if case == "mixed-sizes":
+        raised = "the staging budget of 1.00 MiB cannot hold the largest split (2.00 MiB)"
+        assert proc.stderr.count(raised) == (env.get("GGML_SCHED_PREFETCH_STAGING_MIB") == "1")
+    if case == "budget-steps":
+        step = re.compile(r"host-weight prefetch (on SIM0: staging budget [\d.]+ MiB reduced to [\d.]+ MiB|disabled on SIM0)")
+        steps = [m.group(0) for m in map(step.search, proc.stderr.splitlines()) if m]
+        assert steps == [
+            "host-weight prefetch on SIM0: staging budget 4.50 MiB reduced to 2.25 MiB",
+            "host-weight prefetch on SIM0: staging budget 2.25 MiB reduced to 2.00 MiB",
+            "host-weight prefetch disabled on SIM0"], steps
 
 
 @pytest.mark.parametrize("case,env", [
@@ -91,10 +113,14 @@ def test_hazard_handled(hazards, case, env):
     ("graph-writes-weight", {"GGML_SCHED_PREFETCH_DEBUG_UNSAFE": "1"}),
     # no drain of the copy queue on abort (skip-wait skips it): uploads outlive the call
     ("abort", {"GGML_SCHED_DEBUG_SKIP_WAIT": "1"}),
+    # uploads that do not wait for the reader of the place they reuse
+    ("ring-overlap", {**RING_OVERLAP, "GGML_SCHED_PREFETCH_DEBUG_UNSAFE": "1"}),
 ])
 def test_hazard_control_fails(hazards, case, env):
     proc = _hazard(hazards, case, **env)
     assert proc.returncode == 1 and proc.stdout.startswith(f"FAIL {case}"), proc.stdout + proc.stderr[-3000:]
+    if case == "ring-overlap":
+        assert "overwritten before its last reader" in proc.stdout, proc.stdout
 
 
 # --- through llama.cpp ---
