@@ -10,6 +10,7 @@ host inputs.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -177,9 +178,16 @@ def test_small_ubatches_get_no_staging_and_say_why(patched_build, master_build, 
     assert "nothing to prefetch (batches of 128 tokens are below the min batch of 256" in res.log, res.log[-3000:]
 
 
+def _reservation_line(log: str) -> str:
+    """The last reservation's prefetch line (a per-context setter reserves again at the next decode)."""
+    return [ln for ln in log.splitlines() if "sched_reserve" in ln and "host-weight prefetch" in ln][-1]
+
+
 @pytest.mark.parametrize("headroom_mib, says", [
-    # 13.5 MiB of SIM0: the compute buffer fits next to 2 slots, not 4 (model 1.9, KV 1.5, compute 8.5 + staging)
-    ("0", "host-weight prefetch on: depth 2 (reduced: the compute buffer does not fit next to the staging arena)"),
+    # 13.5 MiB of SIM0: the compute buffer fits next to half the auto staging (4 x the 0.53 MiB largest split), not
+    # all of it (model 1.9, KV 1.5, compute 8.5 + staging)
+    ("0", "host-weight prefetch on: staging 1.06 MiB (1114112 bytes, budget auto; reduced: the compute buffer does not "
+          "fit next to the staging arena), lookahead 2 of depth 4"),
     # the default headroom of 512 MiB: dropped, and the reservation line gives that reason, not a guess
     ("512", "host-weight prefetch off: dropped: "),
 ])
@@ -189,7 +197,7 @@ def test_the_reservation_line_tells_the_effective_depth_or_the_reason(patched_bu
            "GGML_SCHED_PREFETCH_HEADROOM_MIB": headroom_mib}
     res = runner.run(patched_build, src, _spec(*qwen3moe, env=env))
     assert res.logits_sha256 == master_ub512.logits_sha256
-    line = next(ln for ln in res.log.splitlines() if "sched_reserve" in ln and "host-weight prefetch" in ln)
+    line = _reservation_line(res.log)
     assert says in line, res.log[-3000:]
     if headroom_mib == "512":
         assert "less than the headroom of 512.0 MiB" in line
@@ -245,3 +253,43 @@ def test_fit_places_the_same_layers_with_the_prefetch_on(patched_build, qwen3moe
     assert any("SIM0" in ln and "layers" in ln for ln in fit["2"])
     assert logs["2"].count("host-weight prefetch disabled on SIM0") == 1
     assert "less than the headroom" in logs["2"] and "host-weight prefetch disabled" not in logs["0"]
+
+
+def test_staging_budget_through_llama_moe(patched_build, src, qwen3moe, master_ub512):
+    """The staging budget (issue 11, item 3) reaches the scheduler through the per-context setter, which beats the
+    environment; the reservation line gives the staging in bytes, its budget and the lookahead it allows; a budget
+    under what depth 4 takes holds less staging and still uploads ahead, with master's logits."""
+    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
+    auto = runner.run(patched_build, src, _spec(*qwen3moe, env=env, stats=True))
+    small = runner.run(patched_build, src, _spec(*qwen3moe, env={**env, "GGML_SCHED_PREFETCH_STAGING_MIB": "64"},
+                                                 stats=True, prefetch={"staging_mib": 1}))
+    assert small.logits_sha256 == auto.logits_sha256 == master_ub512.logits_sha256
+    staging = {name: res.stats["prompt"]["prefetch_arena_bytes"] for name, res in (("auto", auto), ("1", small))}
+    assert 0 < staging["1"] < staging["auto"], staging
+    assert small.stats["prompt"]["n_prefetch_uploads"] == auto.stats["prompt"]["n_prefetch_uploads"] > 0
+    line = {name: _reservation_line(res.log) for name, res in (("auto", auto), ("1", small))}
+    assert f"staging {staging['auto'] / 2**20:.2f} MiB ({staging['auto']} bytes, budget auto), lookahead 4 of depth 4" in line["auto"]
+    got = re.search(r"staging [\d.]+ MiB \((\d+) bytes, budget 1\.00 MiB\), lookahead (\d) of depth 4", line["1"])
+    assert got and int(got.group(1)) == staging["1"] and 1 <= int(got.group(2)) < 4, line["1"]
+
+
+def test_staging_flag_and_bench_dimension(patched_build, qwen3moe):
+    """--sched-prefetch-staging sets the process default (the reservation line shows its budget), and llama-bench
+    takes -pfs as a dimension: one instance per value, each recorded in the output."""
+    env = {**os.environ, "GGML_SIM_DEVICES": "1"}
+    proc = subprocess.run([str(patched_build.tool("llama-completion")), "-m", str(qwen3moe[0]), "-p", "hello", "-n", "1",
+                           "-ub", "512", "-cmoe", "--fit", "off", "--no-repack", "-t", "2", "-no-cnv",
+                           "--sched-prefetch", "2", "--sched-prefetch-staging", "1", "-v"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "budget 1.00 MiB)" in _reservation_line(proc.stderr), proc.stderr[-3000:]
+    bench = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(qwen3moe[0]), "-p", "256", "-n", "0",
+                            "-r", "1", "-ub", "256", "-ncmoe", "99", "-t", "2", "-pf", "2", "-pfs", "0,1", "-o", "json"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    rows = json.loads(bench.stdout)
+    assert [(r["sched_prefetch"], r["sched_prefetch_staging"]) for r in rows] == [(2, 0), (2, 1)]
+    md = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(qwen3moe[0]), "-p", "256", "-n", "0",
+                         "-r", "1", "-ub", "256", "-ncmoe", "99", "-t", "2", "-pf", "2", "-pfs", "1"],
+                        capture_output=True, text=True, timeout=300, env=env)
+    assert md.returncode == 0 and re.search(r"\|\s+pfs\s+\|", md.stdout), md.stdout

@@ -820,15 +820,29 @@ struct chain {
         return true;
     }
 
-    ggml_cgraph * graph(int64_t tokens, ggml_tensor ** x, ggml_tensor ** y) {
-        *x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, dims[0], tokens);
-        ggml_set_input(*x);
-        ggml_tensor * cur = *x;
+    ggml_cgraph *       gf = nullptr;
+    ggml_tensor *       x  = nullptr;
+    ggml_tensor *       y  = nullptr;
+    std::vector<float>  xv;
+
+    // the graph of M tokens, allocated, its input set; "" or why not
+    std::string build() {
+        x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, dims[0], M);
+        ggml_set_input(x);
+        y = x;
         for (ggml_tensor * wi : w) {
-            cur = f.mm(wi, cur);
+            y = f.mm(wi, y);
         }
-        *y = cur;
-        return f.graph_of(cur);
+        gf = f.graph_of(y);
+        const std::string alloc_error = f.alloc(gf);
+        xv.resize(dims[0] * M);
+        for (size_t i = 0; i < xv.size(); i++) {
+            xv[i] = 0.125f * (float) ((i % 7) + 1) - 0.4f;
+        }
+        if (alloc_error.empty()) {
+            ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+        }
+        return alloc_error;
     }
 
     std::vector<float> want(const std::vector<float> & x, int64_t tokens) const {
@@ -880,24 +894,17 @@ static int mixed_sizes(const std::string & name, bool steps) {
     if (!c.init(p, { K, 2048, K, K, K, K, K, 2048, K, K, K })) {
         return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
     }
-    ggml_tensor * x, * y;
-    ggml_cgraph * gf = c.graph(M, &x, &y);
-    const std::string alloc_error = c.f.alloc(gf);
+    const std::string alloc_error = c.build();
     if (!alloc_error.empty()) {
         return fail(name, alloc_error);
     }
-    std::vector<float> xv(K * M);
-    for (size_t i = 0; i < xv.size(); i++) {
-        xv[i] = 0.125f * (float) ((i % 5) + 1) - 0.3f;
-    }
-    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
-    const std::vector<float> want = c.want(xv, M);
+    const std::vector<float> want = c.want(c.xv, M);
     std::string why;
     for (int rep = 0; rep < 3; rep++) {
-        if (ggml_backend_sched_graph_compute(c.f.sched, gf) != GGML_STATUS_SUCCESS) {
+        if (ggml_backend_sched_graph_compute(c.f.sched, c.gf) != GGML_STATUS_SUCCESS) {
             return fail(name, "compute failed");
         }
-        if (!close_to(c.f.get(y), want, why)) {
+        if (!close_to(c.f.get(c.y), want, why)) {
             return fail(name, "repetition " + std::to_string(rep) + ": " + why);
         }
     }
@@ -941,22 +948,15 @@ static int ring_overlap(const std::string & name) {
     if (!c.init(prefetch_on(32, 2), { 512, 512, 512, 512 })) {
         return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
     }
-    ggml_tensor * x, * y;
-    ggml_cgraph * gf = c.graph(M, &x, &y);
-    const std::string alloc_error = c.f.alloc(gf);
+    const std::string alloc_error = c.build();
     if (!alloc_error.empty()) {
         return fail(name, alloc_error);
     }
-    std::vector<float> xv(512 * M);
-    for (size_t i = 0; i < xv.size(); i++) {
-        xv[i] = 0.125f * (float) ((i % 7) + 1) - 0.4f;
-    }
-    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
-    if (ggml_backend_sched_graph_compute(c.f.sched, gf) != GGML_STATUS_SUCCESS) {
+    if (ggml_backend_sched_graph_compute(c.f.sched, c.gf) != GGML_STATUS_SUCCESS) {
         return fail(name, "compute failed");
     }
     std::string why;
-    if (!close_to(c.f.get(y), c.want(xv, M), why)) {
+    if (!close_to(c.f.get(c.y), c.want(c.xv, M), why)) {
         return fail(name, "a place was overwritten before its last reader: " + why);
     }
     const size_t staging   = ggml_backend_sched_get_prefetch_size(c.f.sched, c.f.sim);
@@ -970,72 +970,45 @@ static int ring_overlap(const std::string & name) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s baseline|small-batch|shrink|input-view|graph-writes-weight|arena-too-large|headroom|abort|small-then-large|"
-                        "reserve-then-larger|headroom-at-alloc|other-buffer-fails|"
-                        "earlier-buffer-fails|headroom-later|small-only|meta-input|mixed-sizes|budget-steps|ring-overlap\n", argv[0]);
-        return 2;
-    }
-    const std::string name = argv[1];
-    if (name == "baseline") {
-        return two_splits(name, 32, true);
-    }
-    if (name == "shrink") {
+    struct test_case {
+        const char * name;
+        int (*run)(const std::string & name);
+    };
+    static const test_case cases[] = {
+        { "baseline",             [](const std::string & n) { return two_splits(n, 32, true); } },
         // run with a device too small for 4 slots of the largest split: the two splits in a ring of two keep every
         // upload 4 ahead (as far as the graph goes)
-        return two_splits(name, 32, true, 4);
+        { "shrink",               [](const std::string & n) { return two_splits(n, 32, true, 4); } },
+        // below min_batch: routed-only path into the placements, nothing ahead
+        { "small-batch",          [](const std::string & n) { return two_splits(n, M + 1, false); } },
+        { "input-view",           input_view },
+        { "graph-writes-weight",  graph_writes_weight },
+        { "arena-too-large",      [](const std::string & n) { return dropped(n, false); } },
+        { "headroom",             [](const std::string & n) { return dropped(n, true); } },
+        { "abort",                abort_mid_graph },
+        { "small-then-large",     small_then_large },
+        { "reserve-then-larger",  reserve_then_larger },
+        { "headroom-at-alloc",    headroom_at_alloc },
+        { "other-buffer-fails",   [](const std::string & n) { return other_buffer_fails(n, true); } },
+        { "earlier-buffer-fails", [](const std::string & n) { return other_buffer_fails(n, false); } },
+        { "headroom-later",       headroom_later },
+        { "small-only",           small_only },
+        { "meta-input",           meta_input },
+        { "mixed-sizes",          [](const std::string & n) { return mixed_sizes(n, false); } },
+        { "budget-steps",         [](const std::string & n) { return mixed_sizes(n, true); } },
+        { "ring-overlap",         ring_overlap },
+    };
+    if (argc == 2) {
+        for (const test_case & c : cases) {
+            if (argv[1] == std::string(c.name)) {
+                return c.run(c.name);
+            }
+        }
     }
-    if (name == "small-batch") {
-        return two_splits(name, M + 1, false); // below min_batch: routed-only path into the slots, nothing ahead
+    fprintf(stderr, "usage: %s CASE, CASE one of:", argv[0]);
+    for (const test_case & c : cases) {
+        fprintf(stderr, " %s", c.name);
     }
-    if (name == "input-view") {
-        return input_view(name);
-    }
-    if (name == "graph-writes-weight") {
-        return graph_writes_weight(name);
-    }
-    if (name == "arena-too-large") {
-        return dropped(name, false);
-    }
-    if (name == "headroom") {
-        return dropped(name, true);
-    }
-    if (name == "abort") {
-        return abort_mid_graph(name);
-    }
-    if (name == "small-then-large") {
-        return small_then_large(name);
-    }
-    if (name == "reserve-then-larger") {
-        return reserve_then_larger(name);
-    }
-    if (name == "headroom-at-alloc") {
-        return headroom_at_alloc(name);
-    }
-    if (name == "other-buffer-fails") {
-        return other_buffer_fails(name, true);
-    }
-    if (name == "earlier-buffer-fails") {
-        return other_buffer_fails(name, false);
-    }
-    if (name == "headroom-later") {
-        return headroom_later(name);
-    }
-    if (name == "small-only") {
-        return small_only(name);
-    }
-    if (name == "meta-input") {
-        return meta_input(name);
-    }
-    if (name == "mixed-sizes") {
-        return mixed_sizes(name, false);
-    }
-    if (name == "budget-steps") {
-        return mixed_sizes(name, true);
-    }
-    if (name == "ring-overlap") {
-        return ring_overlap(name);
-    }
-    fprintf(stderr, "unknown case %s\n", name.c_str());
+    fprintf(stderr, "\n");
     return 2;
 }
