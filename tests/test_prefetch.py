@@ -293,3 +293,26 @@ def test_staging_flag_and_bench_dimension(patched_build, qwen3moe):
                          "-r", "1", "-ub", "256", "-ncmoe", "99", "-t", "2", "-pf", "2", "-pfs", "1"],
                         capture_output=True, text=True, timeout=300, env=env)
     assert md.returncode == 0 and re.search(r"\|\s+pfs\s+\|", md.stdout), md.stdout
+
+
+def test_the_staging_field_is_appended_and_reached_through_cffi(patched_build):
+    """llama_moe_prefetch_params gains staging_mib at its end (the fields before it keep their places), the
+    environment gives the process default, and the process-default setter changes it, or leaves it at -1."""
+    script = f"""
+from pyllama_moe import ffi
+from pyllama_moe.build import find_build
+cffi_ffi, _ = ffi._ffi()
+print([name for name, _ in cffi_ffi.typeof("struct llama_moe_prefetch_params").fields])
+lib = ffi.load(find_build("patched", "cpu", "{patched_build.key}"))
+print(lib.llama_moe_prefetch_default_params().staging_mib)
+p = cffi_ffi.new("struct llama_moe_prefetch_params *", [-1, -1, -1, -1, -1])
+lib.llama_moe_set_prefetch_default_params(p[0])
+print(lib.llama_moe_prefetch_default_params().staging_mib)
+p.staging_mib = 3
+lib.llama_moe_set_prefetch_default_params(p[0])
+print(lib.llama_moe_prefetch_default_params().staging_mib, lib.llama_moe_prefetch_default_params().depth)
+"""
+    proc = subprocess.run(["python3", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "GGML_SCHED_PREFETCH_STAGING_MIB": "7", "GGML_SCHED_PREFETCH_DEPTH": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["['mode', 'depth', 'min_batch', 'headroom_mib', 'staging_mib']", "7", "7", "3 3"]
