@@ -10,6 +10,7 @@ host inputs.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -50,21 +51,25 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **SIM_SLOW, **env})
 
 
+# one split of staging for three (1 MiB each): every upload reuses the place the previous split reads
+RING_OVERLAP = {"GGML_SCHED_PREFETCH_STAGING_MIB": "1", "GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000"}
+
+
 @pytest.mark.parametrize("case,env", [
     ("baseline", {}),
     ("baseline", {"GGML_SCHED_PREFETCH_DEBUG_POISON": "1"}),
     ("small-batch", {}),
     ("input-view", {}),
     ("graph-writes-weight", {}),
-    ("arena-too-large", {"GGML_SIM_MEMORY_MIB": "0.55"}),
-    ("shrink", {"GGML_SIM_MEMORY_MIB": "0.9"}),
+    ("arena-too-large", {"GGML_SIM_MEMORY_MIB": "0.55"}),  # the ring of two splits does not fit, that of one does
+    ("shrink", {"GGML_SIM_MEMORY_MIB": "0.9"}),  # 4 slots of the largest split do not fit; the ring of two does
     ("headroom", {}),
     ("abort", {}),
     # slow computes, fast copies: an upload that does not wait for the previous graph lands under its last read
     # (poison off: SIM's poison fill of newly allocated tensors waits for the device, which would hide it)
     ("small-then-large", {"GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000", "GGML_SIM_POISON": "0"}),
     # issue 10: the retries of one procedure (each aborted, computed wrong or shrank the wrong arena before it)
-    ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.75"}),  # 4 slots do not fit next to the larger graph, 2 do
+    ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.35"}),  # two splits' staging does not fit next to the larger graph, one does
     ("headroom-at-alloc", {}),
     ("other-buffer-fails", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "2"}),
     # from a read of the change: the failed device before the one with the arena, and the headroom checked again
@@ -73,16 +78,34 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
     ("headroom-later", {"GGML_SIM_MEMORY_MIB": "64"}),
     ("small-only", {}),
     ("meta-input", {"GGML_SIM_DEVICES": "2"}),  # --split-mode tensor: aborted in the meta backend's async setter
+    # issue 11, item 3: staging in bytes, a ring over the splits' copies (each failed on the series before it)
+    ("mixed-sizes", {"GGML_SIM_MEMORY_MIB": "6"}),  # 8 MiB of slots do not fit, the 4.5 MiB ring does: not reduced
+    ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "5"}),  # a budget below depth x largest split, 4 ahead still
+    ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),  # below the largest split: raised to it, said once
+    ("budget-steps", {}),  # halved down to the largest split, then dropped, each step said once
+    # a reused place overwritten before its last reader (slow computes, fast copies), see the control below
+    ("ring-overlap", RING_OVERLAP),
+    ("ring-overlap", {**RING_OVERLAP, "GGML_SCHED_PREFETCH_DEBUG_POISON": "1"}),
 ])
 def test_hazard_handled(hazards, case, env):
     proc = _hazard(hazards, case, **env)
     assert proc.returncode == 0 and proc.stdout.startswith(f"ok {case}"), proc.stdout + proc.stderr[-3000:]
-    if case in ("arena-too-large", "headroom"):
-        assert "host-weight prefetch disabled on SIM0" in proc.stderr  # said once, with the reason
-    if case in ("shrink", "reserve-then-larger"):  # 4 slots do not fit, 2 do: the prefetch stays on with 2
-        assert "depth 4 reduced to 2" in proc.stderr and "disabled" not in proc.stderr
-    if case in ("other-buffer-fails", "earlier-buffer-fails", "headroom-later"):
+    if case == "headroom":
+        assert proc.stderr.count("host-weight prefetch disabled on SIM0") == 1  # said once, with the reason
+    if case in ("arena-too-large", "reserve-then-larger"):  # two splits' staging does not fit, one does: stays on
+        assert proc.stderr.count("staging budget 0.50 MiB reduced to 0.25 MiB") == 1 and "disabled" not in proc.stderr
+    if case in ("shrink", "other-buffer-fails", "earlier-buffer-fails", "headroom-later", "mixed-sizes", "ring-overlap"):
         assert "reduced" not in proc.stderr and "disabled" not in proc.stderr
+    if case == "mixed-sizes":
+        raised = "the staging budget of 1.00 MiB cannot hold the largest split (2.00 MiB)"
+        assert proc.stderr.count(raised) == (env.get("GGML_SCHED_PREFETCH_STAGING_MIB") == "1")
+    if case == "budget-steps":
+        step = re.compile(r"host-weight prefetch (on SIM0: staging budget [\d.]+ MiB reduced to [\d.]+ MiB|disabled on SIM0)")
+        steps = [m.group(0) for m in map(step.search, proc.stderr.splitlines()) if m]
+        assert steps == [
+            "host-weight prefetch on SIM0: staging budget 4.50 MiB reduced to 2.25 MiB",
+            "host-weight prefetch on SIM0: staging budget 2.25 MiB reduced to 2.00 MiB",
+            "host-weight prefetch disabled on SIM0"], steps
 
 
 @pytest.mark.parametrize("case,env", [
@@ -91,10 +114,14 @@ def test_hazard_handled(hazards, case, env):
     ("graph-writes-weight", {"GGML_SCHED_PREFETCH_DEBUG_UNSAFE": "1"}),
     # no drain of the copy queue on abort (skip-wait skips it): uploads outlive the call
     ("abort", {"GGML_SCHED_DEBUG_SKIP_WAIT": "1"}),
+    # uploads that do not wait for the reader of the place they reuse
+    ("ring-overlap", {**RING_OVERLAP, "GGML_SCHED_PREFETCH_DEBUG_UNSAFE": "1"}),
 ])
 def test_hazard_control_fails(hazards, case, env):
     proc = _hazard(hazards, case, **env)
     assert proc.returncode == 1 and proc.stdout.startswith(f"FAIL {case}"), proc.stdout + proc.stderr[-3000:]
+    if case == "ring-overlap":
+        assert "overwritten before its last reader" in proc.stdout, proc.stdout
 
 
 # --- through llama.cpp ---
@@ -151,9 +178,16 @@ def test_small_ubatches_get_no_staging_and_say_why(patched_build, master_build, 
     assert "nothing to prefetch (batches of 128 tokens are below the min batch of 256" in res.log, res.log[-3000:]
 
 
+def _reservation_line(log: str) -> str:
+    """The last reservation's prefetch line (a per-context setter reserves again at the next decode)."""
+    return [ln for ln in log.splitlines() if "sched_reserve" in ln and "host-weight prefetch" in ln][-1]
+
+
 @pytest.mark.parametrize("headroom_mib, says", [
-    # 13.5 MiB of SIM0: the compute buffer fits next to 2 slots, not 4 (model 1.9, KV 1.5, compute 8.5 + staging)
-    ("0", "host-weight prefetch on: depth 2 (reduced: the compute buffer does not fit next to the staging arena)"),
+    # 13.5 MiB of SIM0: the compute buffer fits next to half the auto staging (4 x the 0.53 MiB largest split), not
+    # all of it (model 1.9, KV 1.5, compute 8.5 + staging)
+    ("0", "host-weight prefetch on: staging 1.06 MiB (1114112 bytes, budget auto; reduced: the compute buffer does not "
+          "fit next to the staging arena), lookahead 2 of depth 4"),
     # the default headroom of 512 MiB: dropped, and the reservation line gives that reason, not a guess
     ("512", "host-weight prefetch off: dropped: "),
 ])
@@ -163,7 +197,7 @@ def test_the_reservation_line_tells_the_effective_depth_or_the_reason(patched_bu
            "GGML_SCHED_PREFETCH_HEADROOM_MIB": headroom_mib}
     res = runner.run(patched_build, src, _spec(*qwen3moe, env=env))
     assert res.logits_sha256 == master_ub512.logits_sha256
-    line = next(ln for ln in res.log.splitlines() if "sched_reserve" in ln and "host-weight prefetch" in ln)
+    line = _reservation_line(res.log)
     assert says in line, res.log[-3000:]
     if headroom_mib == "512":
         assert "less than the headroom of 512.0 MiB" in line
@@ -219,3 +253,66 @@ def test_fit_places_the_same_layers_with_the_prefetch_on(patched_build, qwen3moe
     assert any("SIM0" in ln and "layers" in ln for ln in fit["2"])
     assert logs["2"].count("host-weight prefetch disabled on SIM0") == 1
     assert "less than the headroom" in logs["2"] and "host-weight prefetch disabled" not in logs["0"]
+
+
+def test_staging_budget_through_llama_moe(patched_build, src, qwen3moe, master_ub512):
+    """The staging budget (issue 11, item 3) reaches the scheduler through the per-context setter, which beats the
+    environment; the reservation line gives the staging in bytes, its budget and the lookahead it allows; a budget
+    under what depth 4 takes holds less staging and still uploads ahead, with master's logits."""
+    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
+    auto = runner.run(patched_build, src, _spec(*qwen3moe, env=env, stats=True))
+    small = runner.run(patched_build, src, _spec(*qwen3moe, env={**env, "GGML_SCHED_PREFETCH_STAGING_MIB": "64"},
+                                                 stats=True, prefetch={"staging_mib": 1}))
+    assert small.logits_sha256 == auto.logits_sha256 == master_ub512.logits_sha256
+    staging = {name: res.stats["prompt"]["prefetch_arena_bytes"] for name, res in (("auto", auto), ("1", small))}
+    assert 0 < staging["1"] < staging["auto"], staging
+    assert small.stats["prompt"]["n_prefetch_uploads"] == auto.stats["prompt"]["n_prefetch_uploads"] > 0
+    line = {name: _reservation_line(res.log) for name, res in (("auto", auto), ("1", small))}
+    assert f"staging {staging['auto'] / 2**20:.2f} MiB ({staging['auto']} bytes, budget auto), lookahead 4 of depth 4" in line["auto"]
+    got = re.search(r"staging [\d.]+ MiB \((\d+) bytes, budget 1\.00 MiB\), lookahead (\d) of depth 4", line["1"])
+    assert got and int(got.group(1)) == staging["1"] and 1 <= int(got.group(2)) < 4, line["1"]
+
+
+def test_staging_flag_and_bench_dimension(patched_build, qwen3moe):
+    """--sched-prefetch-staging sets the process default (the reservation line shows its budget), and llama-bench
+    takes -pfs as a dimension: one instance per value, each recorded in the output."""
+    env = {**os.environ, "GGML_SIM_DEVICES": "1"}
+    proc = subprocess.run([str(patched_build.tool("llama-completion")), "-m", str(qwen3moe[0]), "-p", "hello", "-n", "1",
+                           "-ub", "512", "-cmoe", "--fit", "off", "--no-repack", "-t", "2", "-no-cnv",
+                           "--sched-prefetch", "2", "--sched-prefetch-staging", "1", "-v"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "budget 1.00 MiB)" in _reservation_line(proc.stderr), proc.stderr[-3000:]
+    bench = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(qwen3moe[0]), "-p", "256", "-n", "0",
+                            "-r", "1", "-ub", "256", "-ncmoe", "99", "-t", "2", "-pf", "2", "-pfs", "0,1", "-o", "json"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    rows = json.loads(bench.stdout)
+    assert [(r["sched_prefetch"], r["sched_prefetch_staging"]) for r in rows] == [(2, 0), (2, 1)]
+    md = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(qwen3moe[0]), "-p", "256", "-n", "0",
+                         "-r", "1", "-ub", "256", "-ncmoe", "99", "-t", "2", "-pf", "2", "-pfs", "1"],
+                        capture_output=True, text=True, timeout=300, env=env)
+    assert md.returncode == 0 and re.search(r"\|\s+pfs\s+\|", md.stdout), md.stdout
+
+
+def test_the_staging_field_is_appended_and_reached_through_cffi(patched_build):
+    """llama_moe_prefetch_params gains staging_mib at its end (the fields before it keep their places), the
+    environment gives the process default, and the process-default setter changes it, or leaves it at -1."""
+    script = f"""
+from pyllama_moe import ffi
+from pyllama_moe.build import find_build
+cffi_ffi, _ = ffi._ffi()
+print([name for name, _ in cffi_ffi.typeof("struct llama_moe_prefetch_params").fields])
+lib = ffi.load(find_build("patched", "cpu", "{patched_build.key}"))
+print(lib.llama_moe_prefetch_default_params().staging_mib)
+p = cffi_ffi.new("struct llama_moe_prefetch_params *", [-1, -1, -1, -1, -1])
+lib.llama_moe_set_prefetch_default_params(p[0])
+print(lib.llama_moe_prefetch_default_params().staging_mib)
+p.staging_mib = 3
+lib.llama_moe_set_prefetch_default_params(p[0])
+print(lib.llama_moe_prefetch_default_params().staging_mib, lib.llama_moe_prefetch_default_params().depth)
+"""
+    proc = subprocess.run(["python3", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "GGML_SCHED_PREFETCH_STAGING_MIB": "7", "GGML_SCHED_PREFETCH_DEPTH": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["['mode', 'depth', 'min_batch', 'headroom_mib', 'staging_mib']", "7", "7", "3 3"]

@@ -12,11 +12,13 @@
 #   ci/gpu/prefetch.sh check     identity cells (subsets gpu, gpu-variants), syncs per token, then the sanitizer
 #                                (also alone: identity, sanitizer)
 #   ci/gpu/prefetch.sh bench     pyllama-moe bench: pp4096 ub 2048/4096, pp512, tg128, -lm none and mmap
+#   ci/gpu/prefetch.sh staging   issue 11 item 3 (not run yet): the staging budget sweep on the patched build, and a
+#                                two-layer model with 2 GiB expert tensors under a budget below 3 GiB
 # or run all three as one detached pipeline that keeps the GPU busy between calls, repeating
 #   ci/gpu/prefetch.sh follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished". Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: prefetch.sh build|check|identity|sanitizer|bench|follow|all}
+step=${1:?usage: prefetch.sh build|check|identity|sanitizer|bench|staging|follow|all}
 . "$(dirname "$0")/common.sh"
 PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, archived into $OUT by each follow call
 
@@ -95,6 +97,29 @@ bench)
     timeout 400 python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
         --json "$OUT/bench-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none -t 16 \
         2>&1 | tee "$OUT/bench-pp512-tg128.txt"
+    ;;
+staging)
+    wait_builds 60 || exit 1
+    P=$(python3 -c "import pathlib; from pyllama_moe.build import resolve; print(resolve('patched', 'cuda', archive=pathlib.Path('$A/llama.cpp-patched.tar.gz')).bin_dir)")
+    # the sweep: 1, 2, 3, 4 and 6 of the 108 MiB splits of the 30B shape, depth 4 and 8 as caps, and auto (0);
+    # patched only (master has no -pfs), so the repetitions of one process are all there is: read it with that in
+    # mind, and rerun the points that matter as A/B rows against the series before this change
+    timeout 500 "$P/llama-bench" -m "$MODEL" -p 4096 -n 0 -b 4096 -ub 4096,2048 -ngl 99 -ncmoe 48 -lm none -t 16 \
+        -r 3 -pfd 4,8 -pfs 0,108,216,324,432,648 -o json > "$OUT/staging-sweep.json" 2> "$OUT/staging-sweep.log"
+    echo "staging sweep: exit $?"
+    grep -h "host-weight prefetch" "$OUT/staging-sweep.log" | sort | uniq -c | head -20
+    # 256 experts x 7168 x 2048, Q4_0, two layers: each expert tensor is about 2 GiB; auto asks for 8 GiB, a budget
+    # of 2900 MiB must keep the prefetch on (lookahead 1)
+    BIG=$PYLLAMA_MOE_HOME/staging-2gib-experts-q4_0.gguf
+    [ -f "$BIG" ] || python3 -m pyllama_moe synth --preset qwen3-30b-a3b --layers 2 --hidden 7168 --experts 256 \
+        --expert-ff 2048 --type q4_0 --seed 11 -o "$BIG" --quiet < /dev/null || { echo "synth of $BIG failed"; exit 1; }
+    timeout 300 "$P/llama-completion" -m "$BIG" -ngl 99 -cmoe -lm none -ub 4096 -b 4096 -p "hello" -n 1 --fit off \
+        -no-cnv -v --sched-prefetch-staging 2900 > "$OUT/staging-2gib.txt" 2>&1
+    echo "2 GiB experts, 2900 MiB budget: exit $?"
+    grep -E "host-weight prefetch|compute buffer size" "$OUT/staging-2gib.txt" | head -6
+    timeout 400 "$P/llama-bench" -m "$BIG" -p 4096 -n 0 -b 4096 -ub 4096 -ngl 99 -ncmoe 99 -lm none -t 16 -r 3 \
+        -pf 0,1 -pfs 2900 -o json > "$OUT/staging-2gib-bench.json" 2> "$OUT/staging-2gib-bench.log"
+    echo "2 GiB experts, prefetch off vs on at 2900 MiB: exit $?"
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"

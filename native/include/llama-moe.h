@@ -24,17 +24,24 @@ LLAMA_MOE_API const char * llama_moe_build_info(void);
 
 // --- host-weight prefetch ---
 // The copies of expert (and other host) weights that a GPU split reads are staged in a device arena the scheduler
-// owns and, for ubatches of at least min_batch tokens, uploaded on a second stream of the device up to depth - 1
-// splits ahead of the compute. Results are byte-identical with the prefetch on and off.
+// owns and, for ubatches of at least min_batch tokens, uploaded on a second stream of the device up to depth
+// splits ahead of the compute. The arena is a ring of staging_mib over the splits' copies, placed when a graph is
+// allocated: an upload waits only for the compute that last read the place it reuses. Results are byte-identical
+// with the prefetch on and off.
 //
 // Precedence, per field: per-context setter > process default (set below, or by a llama.cpp flag) > environment
 // (GGML_SCHED_PREFETCH, GGML_SCHED_PREFETCH_DEPTH, GGML_SCHED_PREFETCH_MIN_BATCH,
-// GGML_SCHED_PREFETCH_HEADROOM_MIB) > built-in (mode 1, depth 4, min_batch 256, headroom 512 MiB).
+// GGML_SCHED_PREFETCH_HEADROOM_MIB, GGML_SCHED_PREFETCH_STAGING_MIB) > built-in (mode 1, depth 4, min_batch 256,
+// headroom 512 MiB, staging 0: auto).
+// Fields are only ever appended: set every field, -1 for the ones to leave as they are.
 struct llama_moe_prefetch_params {
     int32_t mode;         // 0 off, 1 on for CUDA-family devices, 2 on for any device with async copies and events
-    int32_t depth;        // staging slots per device, 2..8
+    int32_t depth;        // the most splits ahead an upload runs, 2..8 (the staging may allow fewer)
     int32_t min_batch;    // smaller ubatches copy only the routed experts, at split time (no staging queue)
     int32_t headroom_mib; // a reservation that would leave less device memory free drops the prefetch there
+    int32_t staging_mib;  // staging per device; 0 auto: at most depth x the largest split, less where a smaller ring
+                          // keeps every upload as far ahead. Never less than the largest split; halved (down to
+                          // that) when it does not fit or leaves less than the headroom, then off
 };
 
 // The defaults a new context starts from. A negative field in the setter leaves that field as it is.

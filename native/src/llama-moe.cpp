@@ -23,7 +23,7 @@ const char * llama_moe_build_info(void) {
 //
 
 static llama_moe_prefetch_params prefetch_from_ggml(const ggml_backend_sched_prefetch_params & p) {
-    return { p.mode, p.depth, p.min_batch, (int32_t) (p.headroom / (1024 * 1024)) };
+    return { p.mode, p.depth, p.min_batch, (int32_t) (p.headroom / (1024 * 1024)), (int32_t) (p.staging / (1024 * 1024)) };
 }
 
 // fields >= 0 of `update` replace those of `params`
@@ -39,6 +39,9 @@ static ggml_backend_sched_prefetch_params prefetch_merge(ggml_backend_sched_pref
     }
     if (update.headroom_mib >= 0) {
         params.headroom = (size_t) update.headroom_mib * 1024 * 1024;
+    }
+    if (update.staging_mib >= 0) {
+        params.staging = (size_t) update.staging_mib * 1024 * 1024;
     }
     return params;
 }

@@ -127,7 +127,8 @@ class _MoeApi:
 
     def set_prefetch(self, params: dict) -> None:
         p = self.ffi.new("struct llama_moe_prefetch_params *")
-        for key in ("mode", "depth", "min_batch", "headroom_mib"):
+        # every field, -1 where not given: a field the struct gains later must not be set to 0 by the zero fill
+        for key, _ in self.ffi.typeof("struct llama_moe_prefetch_params").fields:
             setattr(p, key, int(params.get(key, -1)))
         self.lib.llama_moe_set_prefetch_params(self.ctx, p[0])
 

@@ -5,7 +5,8 @@
 //   test_prefetch_hazards CASE      CASE: baseline | input-view | graph-writes-weight | arena-too-large |
 //                                         headroom | abort | small-batch | shrink | small-then-large |
 //                                         reserve-then-larger | headroom-at-alloc | other-buffer-fails | small-only |
-//                                         earlier-buffer-fails | headroom-later | meta-input
+//                                         earlier-buffer-fails | headroom-later | meta-input | mixed-sizes |
+//                                         budget-steps | ring-overlap
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -231,6 +232,13 @@ static int two_splits(const std::string & name, int min_batch, bool expect_ahead
     if (expect_ahead != (st.n_prefetch_uploads == 6)) {
         return fail(name, "prefetch uploads: " + std::to_string(st.n_prefetch_uploads) + (expect_ahead ? ", expected 6" : ", expected 0"));
     }
+    // two splits in a ring of two: each upload can run `depth` ahead (here: as far as the graph goes), in the
+    // staging of the two splits, not `depth` of them
+    const int lookahead = ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, nullptr);
+    if (expect_ahead && (lookahead != depth || staging != ggml_nbytes(f.w1) + ggml_nbytes(f.w2))) {
+        return fail(name, "lookahead " + std::to_string(lookahead) + " in " + std::to_string(staging) + " bytes of staging, expected " +
+                          std::to_string(depth) + " in " + std::to_string(ggml_nbytes(f.w1) + ggml_nbytes(f.w2)));
+    }
     printf("ok %s: %llu uploads ahead, staging %zu bytes, %llu host syncs in 3 computes\n", name.c_str(),
            (unsigned long long) st.n_prefetch_uploads, staging, (unsigned long long) st.n_host_syncs);
     return 0;
@@ -310,7 +318,8 @@ static int graph_writes_weight(const std::string & name) {
     return 0;
 }
 
-// the staging arena does not fit (GGML_SIM_MEMORY_MIB small), or would leave less than the headroom free
+// the staging arena does not fit (GGML_SIM_MEMORY_MIB small): its budget is halved to the largest split, which
+// fits and keeps the prefetch on; or every budget leaves less than the headroom free: dropped
 static int dropped(const std::string & name, bool by_headroom) {
     fixture f;
     ggml_backend_sched_prefetch_params p = prefetch_on();
@@ -332,12 +341,19 @@ static int dropped(const std::string & name, bool by_headroom) {
         return fail(name, "reserve failed");
     }
     ggml_cgraph * gf = build();
-    if (ggml_backend_sched_prefetch_enabled(f.sched, f.sim)) {
-        return fail(name, "the prefetch is still on: the arena was expected not to fit");
+    const size_t one_split = ggml_nbytes(f.w1);
+    if (by_headroom && ggml_backend_sched_prefetch_enabled(f.sched, f.sim)) {
+        return fail(name, "the prefetch is still on: every staging budget was expected to leave less than the headroom");
+    }
+    if (!by_headroom && (ggml_backend_sched_get_prefetch_size(f.sched, f.sim) != one_split ||
+                         ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, nullptr) != 1)) {
+        return fail(name, "expected a staging of one split (" + std::to_string(one_split) + " bytes), lookahead 1; got " +
+                          std::to_string(ggml_backend_sched_get_prefetch_size(f.sched, f.sim)) + " bytes, lookahead " +
+                          std::to_string(ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, nullptr)));
     }
     const std::string alloc_error = f.alloc(gf);
     if (!alloc_error.empty()) {
-        return fail(name, alloc_error + " (after the prefetch was dropped)");
+        return fail(name, alloc_error + (by_headroom ? " (after the prefetch was dropped)" : " (after the budget was halved)"));
     }
     const std::vector<float> xv = ones_x(0.25f);
     ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
@@ -348,7 +364,7 @@ static int dropped(const std::string & name, bool by_headroom) {
     if (!close_to(f.get(y2), matmul(weight_values(2), matmul(weight_values(1), xv, N), N), why)) {
         return fail(name, why);
     }
-    if (ggml_backend_sched_get_prefetch_size(f.sched, f.sim) != 0) {
+    if (by_headroom && ggml_backend_sched_get_prefetch_size(f.sched, f.sim) != 0) {
         return fail(name, "a dropped prefetch still holds a staging arena");
     }
     printf("ok %s\n", name.c_str());
@@ -467,7 +483,7 @@ static std::string compute_chain(fixture & f, int64_t tokens) {
 }
 
 // a graph reserved at M tokens, then one of 8 M: with GGML_SIM_MEMORY_MIB set so that the larger compute buffer
-// fits next to two slots but not four, the reservation inside alloc_graph fails once and must be retried from a
+// fits next to the staging of one split but not of two, the reservation inside alloc_graph fails once and must be retried from a
 // clean reservation (a retry that only allocates places tensors into the buffer the failed reservation freed)
 static int reserve_then_larger(const std::string & name) {
     fixture f;
@@ -484,10 +500,11 @@ static int reserve_then_larger(const std::string & name) {
     }
     const char * why_off = nullptr;
     const int depth = ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, &why_off);
-    if (depth != 2) {
-        return fail(name, "depth " + std::to_string(depth) + " after the retry, expected 2" + (why_off ? std::string(": ") + why_off : ""));
+    if (depth != 1 || ggml_backend_sched_get_prefetch_size(f.sched, f.sim) != ggml_nbytes(f.w1)) {
+        return fail(name, "lookahead " + std::to_string(depth) + " after the retry, expected 1 (the staging of one split)" +
+                          (why_off ? std::string(": ") + why_off : ""));
     }
-    printf("ok %s: depth 2 after the larger graph\n", name.c_str());
+    printf("ok %s: lookahead 1 after the larger graph\n", name.c_str());
     return 0;
 }
 
@@ -761,62 +778,237 @@ static int abort_mid_graph(const std::string & name) {
     return 0;
 }
 
+
+// --- staging in bytes: chains of weights of their own sizes ---
+
+// y = W_{n-1} (... W_0 x) on SIM, each W_i an f32 host weight of [dims[i], dims[i+1]] (a split of its own), values
+// scaled so the activations stay near 1 however wide the layer
+struct chain {
+    fixture                         f;
+    ggml_context *                  ctx = nullptr;
+    ggml_backend_buffer_t           buf = nullptr;
+    std::vector<int64_t>            dims;
+    std::vector<ggml_tensor *>      w;
+    std::vector<std::vector<float>> wv;
+
+    ~chain() {
+        ggml_backend_buffer_free(buf);
+        ggml_free(ctx);
+    }
+
+    bool init(ggml_backend_sched_prefetch_params p, const std::vector<int64_t> & d) {
+        if (!f.init(p)) {
+            return false;
+        }
+        dims = d;
+        ggml_init_params ip = { d.size() * ggml_tensor_overhead(), nullptr, true };
+        ctx = ggml_init(ip);
+        for (size_t i = 0; i + 1 < d.size(); i++) {
+            w.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d[i], d[i + 1]));
+            ggml_set_name(w.back(), ("c" + std::to_string(i)).c_str());
+        }
+        buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        for (size_t i = 0; i < w.size(); i++) {
+            std::vector<float> v(d[i] * d[i + 1]);
+            for (size_t e = 0; e < v.size(); e++) {
+                v[e] = (float) ((((e * 2654435761u) ^ (i * 40503u)) % 1000) / 1000.0 - 0.5) * 3.4f / std::sqrt((float) d[i]);
+            }
+            ggml_backend_tensor_set(w[i], v.data(), 0, ggml_nbytes(w[i]));
+            wv.push_back(std::move(v));
+        }
+        return true;
+    }
+
+    ggml_cgraph *       gf = nullptr;
+    ggml_tensor *       x  = nullptr;
+    ggml_tensor *       y  = nullptr;
+    std::vector<float>  xv;
+
+    // the graph of M tokens, allocated, its input set; "" or why not
+    std::string build() {
+        x = ggml_new_tensor_2d(f.ctx_g, GGML_TYPE_F32, dims[0], M);
+        ggml_set_input(x);
+        y = x;
+        for (ggml_tensor * wi : w) {
+            y = f.mm(wi, y);
+        }
+        gf = f.graph_of(y);
+        const std::string alloc_error = f.alloc(gf);
+        xv.resize(dims[0] * M);
+        for (size_t i = 0; i < xv.size(); i++) {
+            xv[i] = 0.125f * (float) ((i % 7) + 1) - 0.4f;
+        }
+        if (alloc_error.empty()) {
+            ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+        }
+        return alloc_error;
+    }
+
+    std::vector<float> want(const std::vector<float> & x, int64_t tokens) const {
+        std::vector<float> cur = x;
+        for (size_t i = 0; i < w.size(); i++) {
+            const int64_t in = dims[i], out = dims[i + 1];
+            std::vector<float> next(out * tokens);
+            for (int64_t t = 0; t < tokens; t++) {
+                for (int64_t o = 0; o < out; o++) {
+                    double acc = 0;
+                    for (int64_t c = 0; c < in; c++) {
+                        acc += (double) wv[i][o * in + c] * cur[t * in + c];
+                    }
+                    next[t * out + o] = (float) acc;
+                }
+            }
+            cur = std::move(next);
+        }
+        return cur;
+    }
+
+    size_t largest() const {
+        size_t l = 0;
+        for (ggml_tensor * wi : w) {
+            l = std::max(l, ggml_nbytes(wi));
+        }
+        return l;
+    }
+};
+
+static size_t env_mib(const char * name) {
+    const char * v = getenv(name);
+    return v && *v ? (size_t) atoi(v) << 20 : 0;
+}
+
+// Two 2 MiB layers (256 -> 2048 -> 256) with four 256 KiB splits between them and two after: four splits ahead
+// need 4 x 2 MiB in uniform slots, 4.5 MiB in a ring.
+//   mixed: run with GGML_SIM_MEMORY_MIB too small for 8 MiB of staging (depth 4 of the largest split) but not for
+//          the ring, or with GGML_SCHED_PREFETCH_STAGING_MIB below 8: every upload stays 4 splits ahead, in less
+//          than depth x the largest split; a budget below the largest split is raised to it
+//   steps: a headroom no budget leaves free: the budget is halved down to the largest split, then dropped (the
+//          log lines say each step once, see test_prefetch.py)
+static int mixed_sizes(const std::string & name, bool steps) {
+    chain c;
+    ggml_backend_sched_prefetch_params p = prefetch_on(32, 4);
+    if (steps) {
+        p.headroom = (size_t) 1 << 40;
+    }
+    if (!c.init(p, { K, 2048, K, K, K, K, K, 2048, K, K, K })) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    const std::string alloc_error = c.build();
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
+    }
+    const std::vector<float> want = c.want(c.xv, M);
+    std::string why;
+    for (int rep = 0; rep < 3; rep++) {
+        if (ggml_backend_sched_graph_compute(c.f.sched, c.gf) != GGML_STATUS_SUCCESS) {
+            return fail(name, "compute failed");
+        }
+        if (!close_to(c.f.get(c.y), want, why)) {
+            return fail(name, "repetition " + std::to_string(rep) + ": " + why);
+        }
+    }
+    ggml_backend_sched_stats st;
+    ggml_backend_sched_get_stats(c.f.sched, &st);
+    const char * why_reduced = nullptr;
+    const int    lookahead   = ggml_backend_sched_get_prefetch_depth(c.f.sched, c.f.sim, &why_reduced);
+    const size_t staging     = ggml_backend_sched_get_prefetch_size(c.f.sched, c.f.sim);
+    const size_t largest     = c.largest();
+    const std::string got    = "lookahead " + std::to_string(lookahead) + ", staging " + std::to_string(staging) + " bytes" +
+                               (why_reduced ? std::string(" (") + why_reduced + ")" : "");
+    if (steps) {
+        if (lookahead != 0 || staging != 0 || why_reduced == nullptr || strstr(why_reduced, "headroom") == nullptr) {
+            return fail(name, "expected the prefetch dropped for the headroom: " + got);
+        }
+        printf("ok %s: %s\n", name.c_str(), why_reduced);
+        return 0;
+    }
+    const size_t budget = env_mib("GGML_SCHED_PREFETCH_STAGING_MIB");
+    if (budget > 0 && budget < largest) {
+        if (staging != largest || lookahead != 1 || st.n_prefetch_uploads != 3 * c.w.size()) {
+            return fail(name, "a budget below the largest split: expected the staging of that split, lookahead 1, uploads ahead; " + got +
+                              ", " + std::to_string(st.n_prefetch_uploads) + " uploads");
+        }
+    } else if (lookahead != 4 || why_reduced != nullptr || staging >= 4 * largest || (budget > 0 && staging > budget) ||
+               st.n_prefetch_uploads != 3 * c.w.size()) {
+        return fail(name, "expected every upload 4 splits ahead in less than 4 x the largest split (" + std::to_string(4 * largest) +
+                          " bytes)" + (budget > 0 ? " and within the budget of " + std::to_string(budget) : std::string()) + ": " + got +
+                          ", " + std::to_string(st.n_prefetch_uploads) + " uploads");
+    }
+    printf("ok %s: %s, %llu uploads ahead\n", name.c_str(), got.c_str(), (unsigned long long) st.n_prefetch_uploads);
+    return 0;
+}
+
+// Three 1 MiB splits in a staging budget of one split (GGML_SCHED_PREFETCH_STAGING_MIB=1): each placement
+// overlaps the previous one, so each upload must wait for the compute that read the place before it. Slow
+// computes and fast copies: an upload that does not wait (GGML_SCHED_PREFETCH_DEBUG_UNSAFE) lands under the read
+// of the previous split, which then multiplies by the next weight.
+static int ring_overlap(const std::string & name) {
+    chain c;
+    if (!c.init(prefetch_on(32, 2), { 512, 512, 512, 512 })) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    const std::string alloc_error = c.build();
+    if (!alloc_error.empty()) {
+        return fail(name, alloc_error);
+    }
+    if (ggml_backend_sched_graph_compute(c.f.sched, c.gf) != GGML_STATUS_SUCCESS) {
+        return fail(name, "compute failed");
+    }
+    std::string why;
+    if (!close_to(c.f.get(c.y), c.want(c.xv, M), why)) {
+        return fail(name, "a place was overwritten before its last reader: " + why);
+    }
+    const size_t staging   = ggml_backend_sched_get_prefetch_size(c.f.sched, c.f.sim);
+    const int    lookahead = ggml_backend_sched_get_prefetch_depth(c.f.sched, c.f.sim, nullptr);
+    if (staging != c.largest() || lookahead != 1) {
+        return fail(name, "expected the staging of one split (" + std::to_string(c.largest()) + " bytes), lookahead 1; got " +
+                          std::to_string(staging) + " bytes, lookahead " + std::to_string(lookahead));
+    }
+    printf("ok %s: %zu bytes of staging for three splits, lookahead 1\n", name.c_str(), staging);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s baseline|small-batch|shrink|input-view|graph-writes-weight|arena-too-large|headroom|abort|small-then-large|"
-                        "reserve-then-larger|headroom-at-alloc|other-buffer-fails|"
-                        "earlier-buffer-fails|headroom-later|small-only|meta-input\n", argv[0]);
-        return 2;
+    struct test_case {
+        const char * name;
+        int (*run)(const std::string & name);
+    };
+    static const test_case cases[] = {
+        { "baseline",             [](const std::string & n) { return two_splits(n, 32, true); } },
+        // run with a device too small for 4 slots of the largest split: the two splits in a ring of two keep every
+        // upload 4 ahead (as far as the graph goes)
+        { "shrink",               [](const std::string & n) { return two_splits(n, 32, true, 4); } },
+        // below min_batch: routed-only path into the placements, nothing ahead
+        { "small-batch",          [](const std::string & n) { return two_splits(n, M + 1, false); } },
+        { "input-view",           input_view },
+        { "graph-writes-weight",  graph_writes_weight },
+        { "arena-too-large",      [](const std::string & n) { return dropped(n, false); } },
+        { "headroom",             [](const std::string & n) { return dropped(n, true); } },
+        { "abort",                abort_mid_graph },
+        { "small-then-large",     small_then_large },
+        { "reserve-then-larger",  reserve_then_larger },
+        { "headroom-at-alloc",    headroom_at_alloc },
+        { "other-buffer-fails",   [](const std::string & n) { return other_buffer_fails(n, true); } },
+        { "earlier-buffer-fails", [](const std::string & n) { return other_buffer_fails(n, false); } },
+        { "headroom-later",       headroom_later },
+        { "small-only",           small_only },
+        { "meta-input",           meta_input },
+        { "mixed-sizes",          [](const std::string & n) { return mixed_sizes(n, false); } },
+        { "budget-steps",         [](const std::string & n) { return mixed_sizes(n, true); } },
+        { "ring-overlap",         ring_overlap },
+    };
+    if (argc == 2) {
+        for (const test_case & c : cases) {
+            if (argv[1] == std::string(c.name)) {
+                return c.run(c.name);
+            }
+        }
     }
-    const std::string name = argv[1];
-    if (name == "baseline") {
-        return two_splits(name, 32, true);
+    fprintf(stderr, "usage: %s CASE, CASE one of:", argv[0]);
+    for (const test_case & c : cases) {
+        fprintf(stderr, " %s", c.name);
     }
-    if (name == "shrink") {
-        return two_splits(name, 32, true, 4); // run with a device too small for 4 slots: 2 are used instead
-    }
-    if (name == "small-batch") {
-        return two_splits(name, M + 1, false); // below min_batch: routed-only path into the slots, nothing ahead
-    }
-    if (name == "input-view") {
-        return input_view(name);
-    }
-    if (name == "graph-writes-weight") {
-        return graph_writes_weight(name);
-    }
-    if (name == "arena-too-large") {
-        return dropped(name, false);
-    }
-    if (name == "headroom") {
-        return dropped(name, true);
-    }
-    if (name == "abort") {
-        return abort_mid_graph(name);
-    }
-    if (name == "small-then-large") {
-        return small_then_large(name);
-    }
-    if (name == "reserve-then-larger") {
-        return reserve_then_larger(name);
-    }
-    if (name == "headroom-at-alloc") {
-        return headroom_at_alloc(name);
-    }
-    if (name == "other-buffer-fails") {
-        return other_buffer_fails(name, true);
-    }
-    if (name == "earlier-buffer-fails") {
-        return other_buffer_fails(name, false);
-    }
-    if (name == "headroom-later") {
-        return headroom_later(name);
-    }
-    if (name == "small-only") {
-        return small_only(name);
-    }
-    if (name == "meta-input") {
-        return meta_input(name);
-    }
-    fprintf(stderr, "unknown case %s\n", name.c_str());
+    fprintf(stderr, "\n");
     return 2;
 }
