@@ -140,7 +140,7 @@ class Harness:
                                                                stats=prefetch_on, **common))
         checks = []
         if cell.candidate == "patched" and cell.backend != "cpu" and cell.load == "mmap" and cell.offload != "all":
-            checks.append(pin_check(cand.log))
+            checks.append(pin_check(cand.log, partial="LLAMA_MOE_PIN_BUDGET_MIB" in env))
         if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
             checks.append(prefetch_check(cell, env, cand.stats))
         if oplog is not None:
@@ -215,14 +215,18 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
 
 PINNED_IN_PLACE = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of expert weights registered with (\S+) "
                              r"\(page-locked in place: (\d+) range")
+# a pin budget below the experts (the pin-budget knob): part of the ranges registered, the rest left pageable
+PINNED_IN_PART = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of [0-9.]+ [MG]iB of expert ranges registered with (\S+) "
+                            r"\(page-locked in place: (\d+) range\(s\)\); the rest stays pageable")
 
 
-def pin_check(log: str) -> Check:
+def pin_check(log: str, partial: bool = False) -> Check:
     """Every host expert the device uploads from the mapped file was page-locked in place: the line that says so,
     and no other (a partial registration, a copy or a refusal has its own words). With a split GGUF, a range
-    merged across two shards' mappings spanned a hole and every expert fell back to a copy (issue 11, item 2)."""
+    merged across two shards' mappings spanned a hole and every expert fell back to a copy (issue 11, item 2).
+    With `partial` (a pin budget below the experts), the line must say that part was registered in place."""
     lines = [line[line.index("llama_moe: "):] for line in log.splitlines() if "llama_moe: " in line]
-    m = PINNED_IN_PLACE.search(lines[0]) if len(lines) == 1 else None
+    m = (PINNED_IN_PART if partial else PINNED_IN_PLACE).search(lines[0]) if len(lines) == 1 else None
     detail = {"log": lines[:3]}
     if m:
         detail.update(expert_bytes=m.group(1), device=m.group(2), ranges=int(m.group(3)))

@@ -75,3 +75,17 @@ def test_bench_reports_a_ratio_with_an_interval_per_test(master_build, patched_b
         assert len(t["samples"]) == 2 * 2 * 2  # rounds x builds x reps, the warm-up ones marked
         assert sum(s["discarded"] for s in t["samples"]) == 4
         assert t["n_pairs"] == 2 and t["ci_low"] <= t["ratio"] <= t["ci_high"]
+
+
+def test_the_pinned_check_tells_a_whole_pin_from_a_partial_one():
+    from pyllama_moe.compare import pin_check
+
+    whole = "0.01 I llama_moe: 6.38 MiB of expert weights registered with SIM0 (page-locked in place: 1 range(s), 7.03 MiB)"
+    part = ("0.02 W llama_moe: 3.20 MiB of 7.03 MiB of expert ranges registered with SIM0 (page-locked in place: "
+            "2 range(s)); the rest stays pageable: 4.00 MiB of page-locked memory fit, the budget of ...")
+    copied = "0.03 I llama_moe: 6.38 MiB of expert weights copied into pinned memory (SIM_Host): registration failed"
+    assert pin_check(whole).identical and not pin_check(part).identical and not pin_check(copied).identical
+    # with the pin-budget knob the cell expects part of the ranges in place, and nothing else
+    assert pin_check(part, partial=True).identical and not pin_check(whole, partial=True).identical
+    assert pin_check(part, partial=True).detail["ranges"] == 2
+    assert not pin_check(copied, partial=True).identical
