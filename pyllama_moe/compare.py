@@ -215,20 +215,24 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
 
 PINNED_IN_PLACE = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of expert weights registered with (\S+) "
                              r"\(page-locked in place: (\d+) range")
-# a pin budget below the experts (the pin-budget knob): part of the ranges registered, the rest left pageable
-PINNED_IN_PART = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of [0-9.]+ [MG]iB of expert ranges registered with (\S+) "
-                            r"\(page-locked in place: (\d+) range\(s\)\); the rest stays pageable")
+# a pin budget below the experts (the pin-budget knob): part of the ranges registered and the rest left pageable,
+# or, where even the first range is larger than the budget, none; either way the line names the budget
+PINNED_IN_PART = re.compile(r"llama_moe: (?:([0-9.]+ [MG]iB) of [0-9.]+ [MG]iB of expert ranges registered with (\S+) "
+                            r"\(page-locked in place: (\d+) range\(s\)\); the rest stays pageable|"
+                            r"[0-9.]+ [MG]iB of expert weights left pageable: not one range of them fits)"
+                            r".* the budget of LLAMA_MOE_PIN_BUDGET_MIB")
 
 
 def pin_check(log: str, partial: bool = False) -> Check:
     """Every host expert the device uploads from the mapped file was page-locked in place: the line that says so,
     and no other (a partial registration, a copy or a refusal has its own words). With a split GGUF, a range
     merged across two shards' mappings spanned a hole and every expert fell back to a copy (issue 11, item 2).
-    With `partial` (a pin budget below the experts), the line must say that part was registered in place."""
+    With `partial` (a pin budget below the experts), the line must say that the budget held what was registered
+    in place: part of the ranges, or none where the first range alone is larger (glm4moe's with `-ngl 2`)."""
     lines = [line[line.index("llama_moe: "):] for line in log.splitlines() if "llama_moe: " in line]
     m = (PINNED_IN_PART if partial else PINNED_IN_PLACE).search(lines[0]) if len(lines) == 1 else None
     detail = {"log": lines[:3]}
-    if m:
+    if m and m.group(1):
         detail.update(expert_bytes=m.group(1), device=m.group(2), ranges=int(m.group(3)))
     return Check("pinned", m is not None, detail)
 

@@ -82,10 +82,16 @@ def test_the_pinned_check_tells_a_whole_pin_from_a_partial_one():
 
     whole = "0.01 I llama_moe: 6.38 MiB of expert weights registered with SIM0 (page-locked in place: 1 range(s), 7.03 MiB)"
     part = ("0.02 W llama_moe: 3.20 MiB of 7.03 MiB of expert ranges registered with SIM0 (page-locked in place: "
-            "2 range(s)); the rest stays pageable: 4.00 MiB of page-locked memory fit, the budget of ...")
+            "2 range(s)); the rest stays pageable: 4.00 MiB of page-locked memory fit, the budget of "
+            "LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget, at most 23.11 GiB available less a 2.00 GiB margin")
     copied = "0.03 I llama_moe: 6.38 MiB of expert weights copied into pinned memory (SIM_Host): registration failed"
     assert pin_check(whole).identical and not pin_check(part).identical and not pin_check(copied).identical
     # with the pin-budget knob the cell expects part of the ranges in place, and nothing else
     assert pin_check(part, partial=True).identical and not pin_check(whole, partial=True).identical
     assert pin_check(part, partial=True).detail["ranges"] == 2
     assert not pin_check(copied, partial=True).identical
+    none_fit = ("0.04 W llama_moe: 3.19 MiB of expert weights left pageable: not one range of them fits the 4.00 MiB "
+                "of page-locked memory allowed, the budget of LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget, at most ...")
+    assert pin_check(none_fit, partial=True).identical and not pin_check(none_fit).identical
+    unbudgeted = none_fit.replace("the budget of LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget", "the memory available")
+    assert not pin_check(unbudgeted, partial=True).identical
