@@ -4,7 +4,7 @@ Per cell: all-position logits of a prompt (raw f32, sha256 first; on a mismatch 
 position, max-abs, mean KLD and top-1 agreement), perplexity from llama-perplexity (per-chunk and final
 values; on a mismatch llama-perplexity's KL-divergence mode for diagnostics), and greedy text. On a GPU-like
 device (SIM, CUDA) with host experts loaded with mmap, the candidate must also have page-locked every one of
-them in place (`pinned`), not fallen back to a copy.
+them in place (`pinned`), not fallen back to a copy; under a pin budget, no more than the budget holds.
 A cell passes when what it computed matches its `expect`; a CUDA cell on a machine without a GPU is
 deferred, never passed; a run where no cell passed fails.
 """

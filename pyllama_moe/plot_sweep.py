@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from pyllama_moe.errors import UserError
+from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file
 
 # what a point is: (title of the y axis, the value, its interval's low and high)
 MEASURES = {
@@ -25,10 +26,8 @@ LOG2_SPAN = 8  # x values spanning more than this factor get a base-2 axis (ubat
 
 def sweep_series(path: Path, field: str, measure: str) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
     """Per series label, its points (x, y, low, high) sorted by x, from one `bench --json` file."""
-    from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX
-
+    _, tests = _read_file(Path(path), normalize=False)  # refuses what is not a bench file, with one message
     try:
-        tests = json.loads(Path(path).read_text())["tests"]
         groups: dict[tuple, list] = {}
         for t in tests:
             key = t["key"]
@@ -43,7 +42,7 @@ def sweep_series(path: Path, field: str, measure: str) -> dict[str, list[tuple[f
             if point is not None:
                 rest = tuple(sorted((k, json.dumps(v)) for k, v in key.items() if k != field))
                 groups.setdefault(rest, []).append((float(x), *point))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:  # e.g. a schema 1 file: its tests have no key
         raise UserError(f"{path} {NOT_BENCH} with test keys (schema 2) ({exc})", NOT_BENCH_FIX) from exc
     return {_series_label(Path(path), rest, groups): sorted(points) for rest, points in groups.items()}
 

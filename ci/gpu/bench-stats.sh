@@ -29,10 +29,6 @@ export TARGETS_master=llama-bench TARGETS_patched=llama-bench,llama-moe-copy-pro
 HOST="-ngl 99 -ncmoe 48 -lm none"
 ALL_CPUS=$(printf '0x%x' $(( (1 << $(nproc)) - 1 )))
 PACED="--paced --pin-threads --warmup-rounds 1 --reps ${REPS:-4} --discard 1 --target-ci 0.03 --rounds 5"
-bench() { # $1: seconds at most, then pyllama-moe bench arguments
-    local limit=$1; shift
-    timeout "$limit" python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A "$@"
-}
 
 case $step in
 follow)

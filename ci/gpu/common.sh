@@ -29,6 +29,27 @@ make_bench_model() { # the 30B-shaped Q4_0 model (17 GB), unless it is there; no
         && mv "$MODEL.partial" "$MODEL" || { echo "synth of $MODEL failed"; return 1; }
 }
 
+bench() { # $1: seconds at most, then pyllama-moe bench arguments; the model is BENCH_MODEL, else the 30B one
+    local limit=$1; shift
+    timeout "$limit" python3 -m pyllama_moe bench --model "${BENCH_MODEL:-$MODEL}" --backend cuda --archive-dir $A "$@"
+}
+
+patched_bin() { # the bin folder of the patched CUDA build that start_builds made
+    python3 -c "import pathlib; from pyllama_moe.build import resolve
+print(resolve('patched', 'cuda', archive=pathlib.Path('$A/llama.cpp-patched.tar.gz')).bin_dir)"
+}
+
+tiny_prompt() { # sets SMALL to the matrix's tiny qwen3moe model (made here when no identity run made it) and
+    # writes the first 4000 characters of its corpus to /tmp/prompt.txt (~1100 tokens)
+    local corpus
+    read -r SMALL corpus < <(python3 -c 'import pathlib
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.models import ensure_corpus, ensure_model
+m = ensure_model("qwen3moe", load_matrix(pathlib.Path("ci/matrix.toml")).models["qwen3moe"])
+print(m, ensure_corpus(m))')
+    head -c 4000 "$corpus" > /tmp/prompt.txt
+}
+
 wait_builds() { # $1: seconds since the script started to wait at most; 0 when both builds finished and succeeded
     for v in master patched; do
         while [ ! -f /tmp/plm-$v.rc ]; do

@@ -18,20 +18,12 @@ set -uo pipefail
 step=${1:?usage: experts-at-scale.sh build|minbatch|share|pin|all|follow}
 . "$(dirname "$0")/common.sh"
 here=$(dirname "$0")
-bench() { # $1: seconds at most, then pyllama-moe bench arguments
-    local limit=$1; shift
-    timeout "$limit" python3 -m pyllama_moe bench --backend cuda --archive-dir $A "$@"
-}
 skewed_model() { # $1: routing skew; the 30B shape with that skew, written once
     local path=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew$1.gguf
     [ "$1" = 0 ] && path=$MODEL
     [ -f "$path" ] || python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew "$1" \
         -o "$path.partial" --quiet < /dev/null >&2 && mv "$path.partial" "$path" >&2
     echo "$path"
-}
-patched_bin() {
-    python3 -c 'import pathlib; from pyllama_moe.build import resolve
-print(resolve("patched", "cuda", archive=pathlib.Path(".work/archives/llama.cpp-patched.tar.gz")).bin_dir)'
 }
 
 case $step in
@@ -52,7 +44,7 @@ minbatch)
     wait_builds 60 || exit 1
     for skew in 0 0.5; do
         m=$(skewed_model $skew) || exit 1
-        bench 420 --model "$m" --baseline patched --candidate patched \
+        BENCH_MODEL=$m bench 420 --baseline patched --candidate patched \
             --baseline-env GGML_SCHED_PREFETCH_MIN_BATCH=1000000 --candidate-env GGML_SCHED_PREFETCH_MIN_BATCH=1 \
             --rounds ${ROUNDS:-3} --reps 3 --discard 1 --pin-threads --json "$OUT/minbatch-skew$skew.json" \
             -- -p 512 -n 0 -b 512 -ub 32,64,128,256,512 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/minbatch-skew$skew.txt"
@@ -63,19 +55,14 @@ minbatch)
     ;;
 share)
     wait_builds 60 || exit 1
-    bench 560 --model "$MODEL" --rounds ${ROUNDS:-8} --reps 3 --discard 1 --pin-threads --limit-row n_cpu_moe=0 \
+    bench 560 --rounds ${ROUNDS:-8} --reps 3 --discard 1 --pin-threads --limit-row n_cpu_moe=0 \
         --pcie-bound --json "$OUT/share-pp4096-ub4096.json" -- -p 4096 -n 0 -b 4096 -ub 4096 -ngl 99 -ncmoe 48,0 -lm none \
         2>&1 | tee "$OUT/share-pp4096-ub4096.txt"
     ;;
 pin)
     wait_builds 60 || exit 1
     P=$(patched_bin)
-    read -r SMALL CORPUS < <(python3 -c 'import pathlib
-from pyllama_moe.matrix import load_matrix
-from pyllama_moe.models import ensure_corpus, ensure_model
-m = ensure_model("qwen3moe", load_matrix(pathlib.Path("ci/matrix.toml")).models["qwen3moe"])
-print(m, ensure_corpus(m))')
-    head -c 4000 "$CORPUS" > /tmp/prompt.txt
+    tiny_prompt
     # budget in MiB per model: below its expert bytes (tiny: 6.4 MiB, 30B: 16.3 GB), so only part is pinned
     for run in "$SMALL:4" "$MODEL:8192"; do
         m=${run%:*}; budget=${run##*:}

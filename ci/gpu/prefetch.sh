@@ -53,18 +53,9 @@ sanitizer)
     # stream ordering and memory: memcheck over a prefetched prompt (default mode 1 on CUDA) on the matrix's
     # tiny qwen3moe model, made here when no identity run made it before
     wait_builds 300 || exit 1
-    read -r P SMALL CORPUS < <(python3 - <<'EOF'
-import pathlib
-from pyllama_moe.build import resolve
-from pyllama_moe.matrix import load_matrix
-from pyllama_moe.models import ensure_corpus, ensure_model
-model = ensure_model("qwen3moe", load_matrix(pathlib.Path("ci/matrix.toml")).models["qwen3moe"])
-build = resolve("patched", "cuda", archive=pathlib.Path(".work/archives/llama.cpp-patched.tar.gz"))
-print(build.bin_dir, model, ensure_corpus(model))
-EOF
-)
+    P=$(patched_bin)
+    tiny_prompt
     [ -x "$P/llama-completion" ] && [ -f "$SMALL" ] || { echo "sanitizer: no patched llama-completion or tiny model"; exit 1; }
-    head -c 4000 "$CORPUS" > /tmp/prompt.txt
     PEAK_RSS=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v")  # GNU time, where the machine has it
     for poison in 0 1; do
         # in the foreground, with the machine's memory sampled at the start and every second, and the tool's peak RSS: an earlier run
@@ -86,21 +77,21 @@ EOF
 bench)
     wait_builds 60 || exit 1
     # pp4096 at ub 2048 and 4096 with every expert on the host (-lm none: pinned) and with all on the GPU
-    timeout 400 python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+    bench 400 --rounds 2 --reps 5 \
         --json "$OUT/bench-pp4096.json" -- -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48,0 -lm none -t 16 \
         2>&1 | tee "$OUT/bench-pp4096.txt"
     # default mmap against -lm none at ub 2048 (the patched build's own ratio is the target)
-    timeout 400 python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+    bench 400 --rounds 2 --reps 5 \
         --json "$OUT/bench-mmap.json" -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 48 -lm mmap,none -t 16 \
         2>&1 | tee "$OUT/bench-mmap.txt"
     # pp512 and tg128, host experts and all on the GPU
-    timeout 400 python3 -m pyllama_moe bench --model "$MODEL" --backend cuda --archive-dir $A --rounds 2 --reps 5 \
+    bench 400 --rounds 2 --reps 5 \
         --json "$OUT/bench-pp512-tg128.json" -- -p 512 -n 128 -ub 512 -ngl 99 -ncmoe 48,0 -lm none -t 16 \
         2>&1 | tee "$OUT/bench-pp512-tg128.txt"
     ;;
 staging)
     wait_builds 60 || exit 1
-    P=$(python3 -c "import pathlib; from pyllama_moe.build import resolve; print(resolve('patched', 'cuda', archive=pathlib.Path('$A/llama.cpp-patched.tar.gz')).bin_dir)")
+    P=$(patched_bin)
     # the sweep: 1, 2, 3, 4 and 6 of the 108 MiB splits of the 30B shape, depth 4 and 8 as caps, and auto (0);
     # patched only (master has no -pfs), so the repetitions of one process are all there is: read it with that in
     # mind, and rerun the points that matter as A/B rows against the series before this change
