@@ -349,7 +349,7 @@ static int dropped(const std::string & name, bool by_headroom) {
     }
     const char * why_off = nullptr;
     if (!by_headroom && (ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, &why_off) != 0 || why_off == nullptr ||
-                         strstr(why_off, "cannot allocate a staging arena") == nullptr)) {
+                         strstr(why_off, "the compute buffer does not fit next to the staging arena") == nullptr)) {
         return fail(name, "expected the prefetch dropped (one split of " + std::to_string(one_split) + " bytes keeps an upload only 1 "
                           "ahead); got " + std::to_string(ggml_backend_sched_get_prefetch_size(f.sched, f.sim)) + " bytes, lookahead " +
                           std::to_string(ggml_backend_sched_get_prefetch_depth(f.sched, f.sim, nullptr)) +
