@@ -51,8 +51,13 @@ def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **SIM_SLOW, **env})
 
 
-# one split of staging for three (1 MiB each): every upload reuses the place the previous split reads
-RING_OVERLAP = {"GGML_SCHED_PREFETCH_STAGING_MIB": "1", "GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000"}
+# two splits of staging for three (1 MiB each): the third upload reuses the place the first split reads
+RING_OVERLAP = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000"}
+
+
+# a 64-token graph, its debug poison queued behind 300 ms copies, then a 16-token graph below the min batch
+POISON_THEN_SMALL = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SCHED_PREFETCH_DEBUG_POISON": "1",
+                     "GGML_SIM_COPY_LATENCY_US": "300000"}
 
 
 @pytest.mark.parametrize("case,env", [
@@ -61,7 +66,7 @@ RING_OVERLAP = {"GGML_SCHED_PREFETCH_STAGING_MIB": "1", "GGML_SIM_COPY_LATENCY_U
     ("small-batch", {}),
     ("input-view", {}),
     ("graph-writes-weight", {}),
-    ("arena-too-large", {"GGML_SIM_MEMORY_MIB": "0.55"}),  # the ring of two splits does not fit, that of one does
+    ("arena-too-large", {"GGML_SIM_MEMORY_MIB": "0.55"}),  # the ring of two splits does not fit; one would keep uploads 1 ahead
     ("shrink", {"GGML_SIM_MEMORY_MIB": "0.9"}),  # 4 slots of the largest split do not fit; the ring of two does
     ("headroom", {}),
     ("abort", {}),
@@ -69,7 +74,7 @@ RING_OVERLAP = {"GGML_SCHED_PREFETCH_STAGING_MIB": "1", "GGML_SIM_COPY_LATENCY_U
     # (poison off: SIM's poison fill of newly allocated tensors waits for the device, which would hide it)
     ("small-then-large", {"GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000", "GGML_SIM_POISON": "0"}),
     # issue 10: the retries of one procedure (each aborted, computed wrong or shrank the wrong arena before it)
-    ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.35"}),  # two splits' staging does not fit next to the larger graph, one does
+    ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.35"}),  # two splits' staging does not fit next to the larger graph: dropped
     ("headroom-at-alloc", {}),
     ("other-buffer-fails", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "2"}),
     # from a read of the change: the failed device before the one with the arena, and the headroom checked again
@@ -81,21 +86,31 @@ RING_OVERLAP = {"GGML_SCHED_PREFETCH_STAGING_MIB": "1", "GGML_SIM_COPY_LATENCY_U
     # issue 11, item 3: staging in bytes, a ring over the splits' copies (each failed on the series before it)
     ("mixed-sizes", {"GGML_SIM_MEMORY_MIB": "6"}),  # 8 MiB of slots do not fit, the 4.5 MiB ring does: not reduced
     ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "5"}),  # a budget below depth x largest split, 4 ahead still
-    ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),  # below the largest split: raised to it, said once
-    ("budget-steps", {}),  # halved down to the largest split, then dropped, each step said once
+    ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),  # below the largest split: raised to it (said once), lookahead 1: dropped
+    ("budget-steps", {}),  # halved down to the ring that keeps uploads 2 ahead, then dropped, each step said once
     # a reused place overwritten before its last reader (slow computes, fast copies), see the control below
     ("ring-overlap", RING_OVERLAP),
     ("ring-overlap", {**RING_OVERLAP, "GGML_SCHED_PREFETCH_DEBUG_POISON": "1"}),
+    # from the cold read (results/staging-budget.md, "Findings fixed"): one device's arena growth re-checks only
+    # that device's headroom; a budget raised to a lone split says so; a small graph right after a large one with
+    # the debug poison still queued (see the control below)
+    ("headroom-other-device", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "64"}),
+    ("one-split", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),
+    ("poison-then-small", POISON_THEN_SMALL),
 ])
 def test_hazard_handled(hazards, case, env):
     proc = _hazard(hazards, case, **env)
     assert proc.returncode == 0 and proc.stdout.startswith(f"ok {case}"), proc.stdout + proc.stderr[-3000:]
     if case == "headroom":
         assert proc.stderr.count("host-weight prefetch disabled on SIM0") == 1  # said once, with the reason
-    if case in ("arena-too-large", "reserve-then-larger"):  # two splits' staging does not fit, one does: stays on
-        assert proc.stderr.count("staging budget 0.50 MiB reduced to 0.25 MiB") == 1 and "disabled" not in proc.stderr
-    if case in ("shrink", "other-buffer-fails", "earlier-buffer-fails", "headroom-later", "mixed-sizes", "ring-overlap"):
-        assert "reduced" not in proc.stderr and "disabled" not in proc.stderr
+    if case in ("arena-too-large", "reserve-then-larger"):  # two splits' staging does not fit; one would overlap nothing
+        assert "reduced to" not in proc.stderr and proc.stderr.count("host-weight prefetch disabled on SIM0") == 1, proc.stderr[-3000:]
+    dropped = case == "mixed-sizes" and env.get("GGML_SCHED_PREFETCH_STAGING_MIB") == "1"
+    if case in ("shrink", "other-buffer-fails", "earlier-buffer-fails", "headroom-later", "mixed-sizes", "ring-overlap",
+                "headroom-other-device", "one-split", "poison-then-small") and not dropped:
+        assert "reduced" not in proc.stderr and "disabled" not in proc.stderr, proc.stderr[-3000:]
+    if dropped:
+        assert proc.stderr.count("host-weight prefetch disabled on SIM0") == 1 and "lookahead 1" in proc.stderr
     if case == "mixed-sizes":
         raised = "the staging budget of 1.00 MiB cannot hold the largest split (2.00 MiB)"
         assert proc.stderr.count(raised) == (env.get("GGML_SCHED_PREFETCH_STAGING_MIB") == "1")
@@ -103,9 +118,9 @@ def test_hazard_handled(hazards, case, env):
         step = re.compile(r"host-weight prefetch (on SIM0: staging budget [\d.]+ MiB reduced to [\d.]+ MiB|disabled on SIM0)")
         steps = [m.group(0) for m in map(step.search, proc.stderr.splitlines()) if m]
         assert steps == [
-            "host-weight prefetch on SIM0: staging budget 4.50 MiB reduced to 2.25 MiB",
-            "host-weight prefetch on SIM0: staging budget 2.25 MiB reduced to 2.00 MiB",
+            "host-weight prefetch on SIM0: staging budget 4.50 MiB reduced to 4.00 MiB",
             "host-weight prefetch disabled on SIM0"], steps
+        assert "(4.50 MiB of staging freed)" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("case,env", [
@@ -116,12 +131,76 @@ def test_hazard_handled(hazards, case, env):
     ("abort", {"GGML_SCHED_DEBUG_SKIP_WAIT": "1"}),
     # uploads that do not wait for the reader of the place they reuse
     ("ring-overlap", {**RING_OVERLAP, "GGML_SCHED_PREFETCH_DEBUG_UNSAFE": "1"}),
+    # the small graph's copies not waiting for the backend (and so for the queued poison): SIM sees the race
+    ("poison-then-small", {**POISON_THEN_SMALL, "GGML_SCHED_DEBUG_SKIP_WAIT": "1"}),
 ])
 def test_hazard_control_fails(hazards, case, env):
     proc = _hazard(hazards, case, **env)
     assert proc.returncode == 1 and proc.stdout.startswith(f"FAIL {case}"), proc.stdout + proc.stderr[-3000:]
     if case == "ring-overlap":
         assert "overwritten before its last reader" in proc.stdout, proc.stdout
+    if case == "poison-then-small":
+        assert "ggml_sim: race" in proc.stderr, proc.stderr[-3000:]
+
+
+_MIXED = re.compile(r"ok mixed-budget: lookahead (\d+), staging (\d+) bytes, largest split (\d+) bytes \((.*)\)")
+
+
+def _mixed_budget(hazards, **env):
+    proc = _hazard(hazards, "mixed-budget", **env)
+    got = _MIXED.search(proc.stdout)
+    assert proc.returncode == 0 and got, proc.stdout + proc.stderr[-3000:]
+    return int(got.group(1)), int(got.group(2)), got.group(4), proc.stderr
+
+
+def test_a_budget_short_of_the_depth_takes_only_what_its_lookahead_needs(hazards):
+    """Finding 4: a budget that cannot reach the depth was kept whole. Mixed sizes at depth 8 under 6 MiB: lookahead
+    6, which 5 MiB of ring gives (two 2 MiB layers and four 256 KiB splits between them); at depth 4 under 3 MiB:
+    lookahead 1, which the largest split alone gives (and which finding 3 drops: see the test below)."""
+    lookahead, staging, _, _ = _mixed_budget(hazards, GGML_SCHED_PREFETCH_DEPTH="8", GGML_SCHED_PREFETCH_STAGING_MIB="6")
+    assert lookahead == 6 and staging <= 5 << 20, (lookahead, staging)
+    lookahead, staging, why, _ = _mixed_budget(hazards, GGML_SCHED_PREFETCH_STAGING_MIB="3")
+    assert staging < 3 << 20, (lookahead, staging, why)
+
+
+def _overlaps(oplog: Path) -> tuple[int, int]:
+    """(uploads, uploads that ran while a compute ran) in SIM's op log: uploads are the sets on the copy queue (the
+    instance of the device that computes nothing)."""
+    ops = [json.loads(line) for line in oplog.read_text().splitlines()]
+    computes = [op for op in ops if op["op"] == "compute"]
+    compute_insts = {op["inst"] for op in computes}
+    uploads = [op for op in ops if op["op"] == "set" and op["inst"] >= 0 and op["inst"] not in compute_insts]
+    overlapping = [u for u in uploads if any(u["t0_ns"] < c["t1_ns"] and c["t0_ns"] < u["t1_ns"] for c in computes)]
+    return len(uploads), len(overlapping)
+
+
+def test_a_ring_of_one_split_is_dropped_as_it_overlaps_nothing(hazards, tmp_path):
+    """Finding 3: three 1 MiB splits in 1 MiB of staging (lookahead 1) were "on", yet every upload waited for the
+    compute before it and the compute for the upload: SIM's op log shows no upload overlapping a compute. Such a ring
+    is dropped, with the reason; 2 MiB (lookahead 2) overlaps, which shows the op-log check can see it."""
+    slow = {"GGML_SIM_COPY_LATENCY_US": "100000", "GGML_SIM_COMPUTE_LATENCY_US": "100000"}
+    for mib in ("1", "2"):
+        log = tmp_path / f"oplog-{mib}.jsonl"
+        proc = _hazard(hazards, "ring-oplog", GGML_SCHED_PREFETCH_STAGING_MIB=mib, GGML_SIM_OPLOG=str(log), **slow)
+        got = re.search(r"ok ring-oplog: lookahead (\d+), staging (\d+) bytes \((.*)\)", proc.stdout)
+        assert proc.returncode == 0 and got, proc.stdout + proc.stderr[-3000:]
+        lookahead, why = int(got.group(1)), got.group(3)
+        uploads, overlapping = _overlaps(log)
+        if mib == "2":
+            assert lookahead == 2 and overlapping > 0, (lookahead, uploads, overlapping)
+            continue
+        assert lookahead == 0 or overlapping > 0, (
+            f"prefetch on at lookahead {lookahead}, yet none of {uploads} uploads overlapped a compute")
+        assert lookahead == 0 and uploads == 0 and "lookahead 1" in why, (lookahead, uploads, why)
+        assert proc.stderr.count("host-weight prefetch disabled on SIM0") == 1, proc.stderr[-3000:]
+
+
+def test_a_staging_budget_beyond_int_in_the_environment_is_refused(hazards):
+    """Finding 7: atoi wrapped GGML_SCHED_PREFETCH_STAGING_MIB=4294967297 to 1 MiB; now it is refused with a message
+    and the budget stays auto (every upload 4 ahead in the 4.5 MiB ring)."""
+    lookahead, staging, _, err = _mixed_budget(hazards, GGML_SCHED_PREFETCH_STAGING_MIB="4294967297")
+    assert "GGML_SCHED_PREFETCH_STAGING_MIB=4294967297" in err and "out of range" in err, err[-3000:]
+    assert lookahead == 4 and staging == 4718592, (lookahead, staging)
 
 
 # --- through llama.cpp ---
@@ -203,6 +282,24 @@ def test_the_reservation_line_tells_the_effective_depth_or_the_reason(patched_bu
         assert "less than the headroom of 512.0 MiB" in line
 
 
+@pytest.mark.parametrize("depth, effective", [("1", 2), ("12", 8)])
+def test_the_reservation_line_and_getter_give_the_clamped_depth(patched_build, src, qwen3moe, depth, effective):
+    """Finding 1: GGML_SCHED_PREFETCH_DEPTH outside 2..8 is clamped by the scheduler, but the reservation line said
+    "lookahead 2 of depth 1" / "lookahead 8 of depth 12" and llama_moe_get_prefetch_params returned 1 / 12. Both must
+    give the depth in use; so must the per-context setter's value."""
+    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2", "GGML_SCHED_PREFETCH_DEPTH": depth}
+    res = runner.run(patched_build, src, _spec(*qwen3moe, env=env, stats=True))
+    line = _reservation_line(res.log)
+    got = re.search(r"lookahead (\d+) of depth (\d+)", line)
+    assert got and int(got.group(2)) == effective and int(got.group(1)) <= effective, line
+    assert res.stats["prompt"]["prefetch_depth"] == effective, res.stats["prompt"]
+    res = runner.run(patched_build, src, _spec(*qwen3moe, env={**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}, stats=True,
+                                               prefetch={"depth": int(depth)}))
+    got = re.search(r"lookahead (\d+) of depth (\d+)", _reservation_line(res.log))
+    assert got and int(got.group(2)) == effective, _reservation_line(res.log)
+    assert res.stats["prompt"]["prefetch_depth"] == effective, res.stats["prompt"]
+
+
 def test_prefetch_knobs_through_llama_moe(patched_build, src, qwen3moe, master_ub512):
     """The per-context setter of llama-moe.h beats the environment: mode 0 there leaves nothing prefetched."""
     env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
@@ -258,19 +355,20 @@ def test_fit_places_the_same_layers_with_the_prefetch_on(patched_build, qwen3moe
 def test_staging_budget_through_llama_moe(patched_build, src, qwen3moe, master_ub512):
     """The staging budget (issue 11, item 3) reaches the scheduler through the per-context setter, which beats the
     environment; the reservation line gives the staging in bytes, its budget and the lookahead it allows; a budget
-    under what depth 4 takes holds less staging and still uploads ahead, with master's logits."""
+    under what depth 4 takes holds less staging and still uploads ahead, with master's logits (2 MiB: 1 MiB would keep
+    uploads only 1 split ahead of the 0.53 MiB splits, which drops the prefetch)."""
     env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
     auto = runner.run(patched_build, src, _spec(*qwen3moe, env=env, stats=True))
     small = runner.run(patched_build, src, _spec(*qwen3moe, env={**env, "GGML_SCHED_PREFETCH_STAGING_MIB": "64"},
-                                                 stats=True, prefetch={"staging_mib": 1}))
+                                                 stats=True, prefetch={"staging_mib": 2}))
     assert small.logits_sha256 == auto.logits_sha256 == master_ub512.logits_sha256
-    staging = {name: res.stats["prompt"]["prefetch_arena_bytes"] for name, res in (("auto", auto), ("1", small))}
-    assert 0 < staging["1"] < staging["auto"], staging
+    staging = {name: res.stats["prompt"]["prefetch_arena_bytes"] for name, res in (("auto", auto), ("2", small))}
+    assert 0 < staging["2"] < staging["auto"], staging
     assert small.stats["prompt"]["n_prefetch_uploads"] == auto.stats["prompt"]["n_prefetch_uploads"] > 0
-    line = {name: _reservation_line(res.log) for name, res in (("auto", auto), ("1", small))}
+    line = {name: _reservation_line(res.log) for name, res in (("auto", auto), ("2", small))}
     assert f"staging {staging['auto'] / 2**20:.2f} MiB ({staging['auto']} bytes, budget auto), lookahead 4 of depth 4" in line["auto"]
-    got = re.search(r"staging [\d.]+ MiB \((\d+) bytes, budget 1\.00 MiB\), lookahead (\d) of depth 4", line["1"])
-    assert got and int(got.group(1)) == staging["1"] and 1 <= int(got.group(2)) < 4, line["1"]
+    got = re.search(r"staging [\d.]+ MiB \((\d+) bytes, budget 2\.00 MiB\), lookahead (\d) of depth 4", line["2"])
+    assert got and int(got.group(1)) == staging["2"] and 2 <= int(got.group(2)) < 4, line["2"]
 
 
 def test_staging_flag_and_bench_dimension(patched_build, qwen3moe):
@@ -279,10 +377,10 @@ def test_staging_flag_and_bench_dimension(patched_build, qwen3moe):
     env = {**os.environ, "GGML_SIM_DEVICES": "1"}
     proc = subprocess.run([str(patched_build.tool("llama-completion")), "-m", str(qwen3moe[0]), "-p", "hello", "-n", "1",
                            "-ub", "512", "-cmoe", "--fit", "off", "--no-repack", "-t", "2", "-no-cnv",
-                           "--sched-prefetch", "2", "--sched-prefetch-staging", "1", "-v"],
+                           "--sched-prefetch", "2", "--sched-prefetch-staging", "2", "-v"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "budget 1.00 MiB)" in _reservation_line(proc.stderr), proc.stderr[-3000:]
+    assert "budget 2.00 MiB)" in _reservation_line(proc.stderr), proc.stderr[-3000:]
     bench = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(qwen3moe[0]), "-p", "256", "-n", "0",
                             "-r", "1", "-ub", "256", "-ncmoe", "99", "-t", "2", "-pf", "2", "-pfs", "0,1", "-o", "json"],
                            capture_output=True, text=True, timeout=300, env=env)
@@ -295,24 +393,41 @@ def test_staging_flag_and_bench_dimension(patched_build, qwen3moe):
     assert md.returncode == 0 and re.search(r"\|\s+pfs\s+\|", md.stdout), md.stdout
 
 
-def test_the_staging_field_is_appended_and_reached_through_cffi(patched_build):
-    """llama_moe_prefetch_params gains staging_mib at its end (the fields before it keep their places), the
-    environment gives the process default, and the process-default setter changes it, or leaves it at -1."""
+def test_the_staging_budget_has_setters_of_its_own(patched_build):
+    """Finding 5: staging_mib was appended to the by-value llama_moe_prefetch_params, so a caller's four-value
+    initializer zero-filled it and 0 (auto) counted as set, overriding GGML_SCHED_PREFETCH_STAGING_MIB; and the struct
+    grew from 16 to 20 bytes, which changes how it is passed on x86-64. The struct keeps its four fields (16 bytes);
+    the budget has its own setters and getters: the environment gives the process default, -1 unsets (back to the
+    environment), 0 is auto only when set, and the per-context value starts from the process default."""
     script = f"""
 from pyllama_moe import ffi
 from pyllama_moe.build import find_build
 cffi_ffi, _ = ffi._ffi()
-print([name for name, _ in cffi_ffi.typeof("struct llama_moe_prefetch_params").fields])
 lib = ffi.load(find_build("patched", "cpu", "{patched_build.key}"))
-print(lib.llama_moe_prefetch_default_params().staging_mib)
-p = cffi_ffi.new("struct llama_moe_prefetch_params *", [-1, -1, -1, -1, -1])
-lib.llama_moe_set_prefetch_default_params(p[0])
-print(lib.llama_moe_prefetch_default_params().staging_mib)
-p.staging_mib = 3
-lib.llama_moe_set_prefetch_default_params(p[0])
-print(lib.llama_moe_prefetch_default_params().staging_mib, lib.llama_moe_prefetch_default_params().depth)
+get = getattr(lib, "llama_moe_default_get_prefetch_staging_mib", None) or (lambda: lib.llama_moe_prefetch_default_params().staging_mib)
+print(get())
+lib.llama_moe_set_prefetch_default_params(cffi_ffi.new("struct llama_moe_prefetch_params *", [-1, 3, -1, -1])[0])
+print(get(), lib.llama_moe_prefetch_default_params().depth)
+print([name for name, _ in cffi_ffi.typeof("struct llama_moe_prefetch_params").fields],
+      cffi_ffi.sizeof("struct llama_moe_prefetch_params"))
+for mib in (3, 0, -1):
+    lib.llama_moe_default_set_prefetch_staging_mib(mib)
+    print(mib, get())
 """
     proc = subprocess.run(["python3", "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "GGML_SCHED_PREFETCH_STAGING_MIB": "7", "GGML_SCHED_PREFETCH_DEPTH": "3"})
+                          env={**os.environ, "GGML_SCHED_PREFETCH_STAGING_MIB": "7"})
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 or len(lines) >= 2, proc.stderr[-3000:]
+    assert lines[:2] == ["7", "7 3"], (lines, "a four-value initializer must leave the budget of the environment")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["['mode', 'depth', 'min_batch', 'headroom_mib', 'staging_mib']", "7", "7", "3 3"]
+    assert lines[2:] == ["['mode', 'depth', 'min_batch', 'headroom_mib'] 16", "3 3", "0 0", "-1 7"], lines
+
+
+def test_the_staging_budget_per_context_beats_the_environment(patched_build, src, qwen3moe, master_ub512):
+    """Per context, llama_moe_set_prefetch_staging_mib(ctx, 0) is auto over GGML_SCHED_PREFETCH_STAGING_MIB=1, and the
+    getter says 0 (finding 5: 0 means auto only when set)."""
+    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2", "GGML_SCHED_PREFETCH_STAGING_MIB": "1"}
+    res = runner.run(patched_build, src, _spec(*qwen3moe, env=env, stats=True, prefetch={"staging_mib": 0}))
+    assert res.logits_sha256 == master_ub512.logits_sha256
+    assert "budget auto), lookahead 4 of depth 4" in _reservation_line(res.log), _reservation_line(res.log)
+    assert res.stats["prompt"]["prefetch_staging_mib"] == 0, res.stats["prompt"]

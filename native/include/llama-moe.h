@@ -24,24 +24,23 @@ LLAMA_MOE_API const char * llama_moe_build_info(void);
 
 // --- host-weight prefetch ---
 // The copies of expert (and other host) weights that a GPU split reads are staged in a device arena the scheduler
-// owns and, for ubatches of at least min_batch tokens, uploaded on a second stream of the device up to depth
-// splits ahead of the compute. The arena is a ring of staging_mib over the splits' copies, placed when a graph is
-// allocated: an upload waits only for the compute that last read the place it reuses. Results are byte-identical
-// with the prefetch on and off.
+// owns and, for ubatches of at least min_batch tokens, uploaded on a second stream of the device, the copies of up
+// to depth splits staged at once: an upload overlaps the computes of up to depth - 1 splits before its own. The
+// arena is a ring of a staging budget over the splits' copies, placed when a graph is allocated: an upload waits
+// only for the compute that last read the place it reuses. Results are byte-identical with the prefetch on and off.
 //
 // Precedence, per field: per-context setter > process default (set below, or by a llama.cpp flag) > environment
 // (GGML_SCHED_PREFETCH, GGML_SCHED_PREFETCH_DEPTH, GGML_SCHED_PREFETCH_MIN_BATCH,
 // GGML_SCHED_PREFETCH_HEADROOM_MIB, GGML_SCHED_PREFETCH_STAGING_MIB) > built-in (mode 1, depth 4, min_batch 256,
-// headroom 512 MiB, staging 0: auto).
-// Fields are only ever appended: set every field, -1 for the ones to leave as they are.
+// headroom 512 MiB, staging auto). The getters return the values in use: a depth outside 2..8 is clamped, an
+// unknown mode is 1.
+// The struct is passed by value and keeps these four fields; knobs added later get functions of their own (the
+// staging budget below). Set every field, -1 for the ones to leave as they are.
 struct llama_moe_prefetch_params {
     int32_t mode;         // 0 off, 1 on for CUDA-family devices, 2 on for any device with async copies and events
-    int32_t depth;        // the most splits ahead an upload runs, 2..8 (the staging may allow fewer)
+    int32_t depth;        // the most splits whose copies are staged at once, 2..8 (the staging may allow fewer)
     int32_t min_batch;    // smaller ubatches copy only the routed experts, at split time (no staging queue)
     int32_t headroom_mib; // a reservation that would leave less device memory free drops the prefetch there
-    int32_t staging_mib;  // staging per device; 0 auto: at most depth x the largest split, less where a smaller ring
-                          // keeps every upload as far ahead. Never less than the largest split; halved (down to
-                          // that) when it does not fit or leaves less than the headroom, then off
 };
 
 // The defaults a new context starts from. A negative field in the setter leaves that field as it is.
@@ -51,6 +50,18 @@ LLAMA_MOE_API void llama_moe_set_prefetch_default_params(struct llama_moe_prefet
 // Per context; the scheduler is reserved again at the next decode. A negative field leaves that field as it is.
 LLAMA_MOE_API struct llama_moe_prefetch_params llama_moe_get_prefetch_params(const struct llama_context * ctx);
 LLAMA_MOE_API void llama_moe_set_prefetch_params(struct llama_context * ctx, struct llama_moe_prefetch_params params);
+
+// The staging budget per device in MiB: 0 auto (the smallest ring that keeps every upload depth splits ahead, at
+// most depth x the largest split); a budget that does not reach the depth takes only what the lookahead it reaches
+// needs. Never less than the largest split (raised to it); one that keeps some upload only 1 split ahead turns the
+// prefetch off there; halved (not below 2 splits ahead) when it does not fit or leaves less than the headroom,
+// then off. Process default, read when a context is created: >= 0 sets it (0: auto, over the environment), -1
+// unsets it (then GGML_SCHED_PREFETCH_STAGING_MIB, then auto). Per context: >= 0 sets it, -1 takes the process
+// default again. The getters return the value in effect.
+LLAMA_MOE_API void    llama_moe_default_set_prefetch_staging_mib(int32_t mib);
+LLAMA_MOE_API int32_t llama_moe_default_get_prefetch_staging_mib(void);
+LLAMA_MOE_API void    llama_moe_set_prefetch_staging_mib(struct llama_context * ctx, int32_t mib);
+LLAMA_MOE_API int32_t llama_moe_get_prefetch_staging_mib(const struct llama_context * ctx);
 
 // Number of devices of the context whose scheduler prefetches now (0: off, unsupported, or dropped because the
 // staging arena did not fit), and the bytes of their staging arenas (part of the compute buffer sizes).

@@ -23,10 +23,11 @@ const char * llama_moe_build_info(void) {
 //
 
 static llama_moe_prefetch_params prefetch_from_ggml(const ggml_backend_sched_prefetch_params & p) {
-    return { p.mode, p.depth, p.min_batch, (int32_t) (p.headroom / (1024 * 1024)), (int32_t) (p.staging / (1024 * 1024)) };
+    return { p.mode, p.depth, p.min_batch, (int32_t) (p.headroom / (1024 * 1024)) };
 }
 
-// fields >= 0 of `update` replace those of `params`
+// fields >= 0 of `update` replace those of `params`; the result is what the scheduler uses (depth clamped to 2..8,
+// an unknown mode as 1), so that the getters and the reservation line give the values in use
 static ggml_backend_sched_prefetch_params prefetch_merge(ggml_backend_sched_prefetch_params params, const llama_moe_prefetch_params & update) {
     if (update.mode >= 0) {
         params.mode = update.mode;
@@ -40,24 +41,31 @@ static ggml_backend_sched_prefetch_params prefetch_merge(ggml_backend_sched_pref
     if (update.headroom_mib >= 0) {
         params.headroom = (size_t) update.headroom_mib * 1024 * 1024;
     }
-    if (update.staging_mib >= 0) {
-        params.staging = (size_t) update.staging_mib * 1024 * 1024;
+    return ggml_backend_sched_prefetch_check_params(params);
+}
+
+// the process-wide defaults: the environment (read by ggml) until a setter or a flag changes them; the staging
+// budget is kept apart, -1 while unset, so that unsetting it gives the environment's value back
+static std::mutex g_prefetch_mutex;
+static bool g_prefetch_set = false;
+static ggml_backend_sched_prefetch_params g_prefetch;
+static int32_t g_staging_mib = -1;
+
+static ggml_backend_sched_prefetch_params prefetch_defaults_locked() {
+    if (!g_prefetch_set) {
+        g_prefetch = ggml_backend_sched_prefetch_check_params(ggml_backend_sched_prefetch_default_params());
+        g_prefetch_set = true;
+    }
+    ggml_backend_sched_prefetch_params params = g_prefetch;
+    if (g_staging_mib >= 0) {
+        params.staging = (size_t) g_staging_mib * 1024 * 1024;
     }
     return params;
 }
 
-// the process-wide defaults: the environment (read by ggml) until a setter or a flag changes them
-static std::mutex g_prefetch_mutex;
-static bool g_prefetch_set = false;
-static ggml_backend_sched_prefetch_params g_prefetch;
-
 ggml_backend_sched_prefetch_params llama_moe_prefetch_context_defaults() {
     std::lock_guard<std::mutex> lock(g_prefetch_mutex);
-    if (!g_prefetch_set) {
-        g_prefetch = ggml_backend_sched_prefetch_default_params();
-        g_prefetch_set = true;
-    }
-    return g_prefetch;
+    return prefetch_defaults_locked();
 }
 
 llama_moe_prefetch_params llama_moe_prefetch_default_params(void) {
@@ -65,9 +73,18 @@ llama_moe_prefetch_params llama_moe_prefetch_default_params(void) {
 }
 
 void llama_moe_set_prefetch_default_params(llama_moe_prefetch_params params) {
-    const ggml_backend_sched_prefetch_params merged = prefetch_merge(llama_moe_prefetch_context_defaults(), params);
     std::lock_guard<std::mutex> lock(g_prefetch_mutex);
-    g_prefetch = merged;
+    prefetch_defaults_locked();
+    g_prefetch = prefetch_merge(g_prefetch, params);
+}
+
+void llama_moe_default_set_prefetch_staging_mib(int32_t mib) {
+    std::lock_guard<std::mutex> lock(g_prefetch_mutex);
+    g_staging_mib = mib >= 0 ? mib : -1;
+}
+
+int32_t llama_moe_default_get_prefetch_staging_mib(void) {
+    return (int32_t) (llama_moe_prefetch_context_defaults().staging / (1024 * 1024));
 }
 
 llama_moe_prefetch_params llama_moe_get_prefetch_params(const llama_context * ctx) {
@@ -76,6 +93,16 @@ llama_moe_prefetch_params llama_moe_get_prefetch_params(const llama_context * ct
 
 void llama_moe_set_prefetch_params(llama_context * ctx, llama_moe_prefetch_params params) {
     ctx->set_prefetch(prefetch_merge(ctx->get_cparams().prefetch, params));
+}
+
+void llama_moe_set_prefetch_staging_mib(llama_context * ctx, int32_t mib) {
+    ggml_backend_sched_prefetch_params params = ctx->get_cparams().prefetch;
+    params.staging = mib >= 0 ? (size_t) mib * 1024 * 1024 : llama_moe_prefetch_context_defaults().staging;
+    ctx->set_prefetch(params);
+}
+
+int32_t llama_moe_get_prefetch_staging_mib(const llama_context * ctx) {
+    return (int32_t) (ctx->get_cparams().prefetch.staging / (1024 * 1024));
 }
 
 int32_t llama_moe_prefetch_n_devices(const llama_context * ctx) {

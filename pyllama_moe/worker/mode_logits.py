@@ -127,10 +127,14 @@ class _MoeApi:
 
     def set_prefetch(self, params: dict) -> None:
         p = self.ffi.new("struct llama_moe_prefetch_params *")
-        # every field, -1 where not given: a field the struct gains later must not be set to 0 by the zero fill
-        for key, _ in self.ffi.typeof("struct llama_moe_prefetch_params").fields:
+        # every field, -1 where not given
+        fields = [key for key, _ in self.ffi.typeof("struct llama_moe_prefetch_params").fields]
+        for key in fields:
             setattr(p, key, int(params.get(key, -1)))
         self.lib.llama_moe_set_prefetch_params(self.ctx, p[0])
+        # the staging budget has a setter of its own (the by-value struct keeps its four fields)
+        if "staging_mib" in params and "staging_mib" not in fields:
+            self.lib.llama_moe_set_prefetch_staging_mib(self.ctx, int(params["staging_mib"]))
 
     def reset_stats(self) -> None:
         self.lib.llama_moe_reset_stats(self.ctx)
@@ -141,6 +145,9 @@ class _MoeApi:
         out = {name: int(getattr(st, name)) for name, _ in self.ffi.typeof("struct llama_moe_stats").fields}
         out["prefetch_devices"] = int(self.lib.llama_moe_prefetch_n_devices(self.ctx))
         out["prefetch_arena_bytes"] = int(self.lib.llama_moe_prefetch_arena_size(self.ctx))
+        out["prefetch_depth"] = int(self.lib.llama_moe_get_prefetch_params(self.ctx).depth)  # the depth in use
+        if hasattr(self.lib, "llama_moe_get_prefetch_staging_mib"):
+            out["prefetch_staging_mib"] = int(self.lib.llama_moe_get_prefetch_staging_mib(self.ctx))
         return out
 
 
