@@ -155,12 +155,13 @@ def _mixed_budget(hazards, **env):
 
 def test_a_budget_short_of_the_depth_takes_only_what_its_lookahead_needs(hazards):
     """Finding 4: a budget that cannot reach the depth was kept whole. Mixed sizes at depth 8 under 6 MiB: lookahead
-    6, which 5 MiB of ring gives (two 2 MiB layers and four 256 KiB splits between them); at depth 4 under 3 MiB:
-    lookahead 1, which the largest split alone gives (and which finding 3 drops: see the test below)."""
+    6, which 5 MiB of ring gives (two 2 MiB layers and four 256 KiB splits between them). A budget that reaches only
+    lookahead 1 is the exception: there each byte beside the largest split is a byte more of each upload that runs
+    during the compute before it (pieces, see the ring tests below), so depth 4 under 3 MiB keeps all 3 MiB, on."""
     lookahead, staging, _, _ = _mixed_budget(hazards, GGML_SCHED_PREFETCH_DEPTH="8", GGML_SCHED_PREFETCH_STAGING_MIB="6")
     assert lookahead == 6 and staging <= 5 << 20, (lookahead, staging)
     lookahead, staging, why, _ = _mixed_budget(hazards, GGML_SCHED_PREFETCH_STAGING_MIB="3")
-    assert staging < 3 << 20, (lookahead, staging, why)
+    assert lookahead == 1 and staging == 3 << 20, (lookahead, staging, why)
 
 
 def _overlaps(oplog: Path) -> tuple[int, int]:
@@ -193,6 +194,39 @@ def test_a_ring_of_one_split_is_dropped_as_it_overlaps_nothing(hazards, tmp_path
             f"prefetch on at lookahead {lookahead}, yet none of {uploads} uploads overlapped a compute")
         assert lookahead == 0 and uploads == 0 and "lookahead 1" in why, (lookahead, uploads, why)
         assert proc.stderr.count("host-weight prefetch disabled on SIM0") == 1, proc.stderr[-3000:]
+
+
+_RING_OPLOG = re.compile(r"ok ring-oplog-wide: lookahead (\d+), staging (\d+) bytes \((.*)\), ahead ([\d.]+), (\d+) upload calls")
+
+
+def test_a_ring_between_one_and_two_splits_overlaps_part_of_each_upload(hazards, tmp_path):
+    """Four 2 MiB splits in 3 MiB of staging: no two splits' copies fit apart (lookahead 1), yet each placement
+    overlaps only half of the one before it, so that half of its upload may run during the compute before it. The
+    whole-placement uploads waited for that compute and the ring was dropped as overlapping nothing; cut into pieces,
+    half of each upload overlaps a compute in SIM's op log, with the debug poison on and the result right. 2 MiB
+    (one split) is still dropped and 4 MiB is lookahead 2 with every upload whole."""
+    slow = {"GGML_SIM_COPY_LATENCY_US": "100000", "GGML_SIM_COMPUTE_LATENCY_US": "100000",
+            "GGML_SCHED_PREFETCH_DEBUG_POISON": "1"}
+    seen = {}
+    for mib in ("2", "3", "4"):
+        log = tmp_path / f"oplog-{mib}.jsonl"
+        proc = _hazard(hazards, "ring-oplog-wide", GGML_SCHED_PREFETCH_STAGING_MIB=mib, GGML_SIM_OPLOG=str(log), **slow)
+        got = _RING_OPLOG.search(proc.stdout)
+        assert proc.returncode == 0 and got, proc.stdout + proc.stderr[-3000:]
+        seen[mib] = (int(got.group(1)), int(got.group(2)), got.group(3), float(got.group(4)), int(got.group(5)),
+                     *_overlaps(log))
+        if mib != "2":  # the arena line says how far ahead
+            line = {"3": "lookahead 1 of depth 2 (at least 50% of each upload overlaps the compute before its split), 4 splits",
+                    "4": "lookahead 2 of depth 2, 4 splits"}[mib]
+            assert f"staging arena {mib}.00 MiB (largest split 2.00 MiB), {line}" in proc.stderr, proc.stderr[-3000:]
+    lookahead, staging, why, ahead, calls, uploads, overlapping = seen["3"]
+    assert lookahead == 1 and staging == 3 << 20 and abs(ahead - 0.5) < 0.01, seen["3"]
+    assert overlapping > 0, f"lookahead 1 in 3 MiB, yet none of {uploads} uploads overlapped a compute"
+    assert calls == 7, seen["3"]  # the first placement whole, each later one in two pieces
+    lookahead, staging, why, ahead, calls, uploads, overlapping = seen["2"]
+    assert lookahead == 0 and uploads == 0 and "lookahead 1" in why, seen["2"]
+    lookahead, staging, why, ahead, calls, uploads, overlapping = seen["4"]
+    assert lookahead == 2 and ahead == 1.0 and calls == 4 and overlapping > 0, seen["4"]
 
 
 def test_a_staging_budget_beyond_int_in_the_environment_is_refused(hazards):

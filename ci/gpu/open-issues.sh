@@ -2,14 +2,15 @@
 # One device session over the GPU steps of the open issues, in the order their results are most needed, on one
 # pair of CUDA builds with every default target (so the identity cells, the sanitizer and the benchmarks share
 # them). STEPS lists SCRIPT:STEP pairs of the scripts beside this one; the default is what is still to run after
-# the third session (results/gpu-bench-stats.md):
-#   bench-stats.sh:target planted self   issue 9: tg128 paced, chunks A B A B, even rounds (not yet on the GPU)
-#   bench-stats.sh:rows                  issues 9 and 10: pp4096 ub 2048/4096 and mmap rows with intervals
+# the fourth session (results/gpu-bench-stats.md), most needed first:
+#   bench-stats.sh:rows-mmap             issues 9 and 10: the mmap row with intervals, the last prefetch row
 #   prefetch.sh:identity                 issue 11: the CUDA identity cells, now with the split GGUF model, the
-#                                        partial pin and the 1 MiB staging budget
+#                                        partial pin and the 2 MiB staging budget
+#   prefetch.sh:staging                  issue 11: the staging budget sweep and the 2 GiB-expert model (lookahead 1
+#                                        with pieces) against master
 #   experts-at-scale.sh:share minbatch pin   issue 11: the ub 4096 share target, the min-batch sweep, a partial pin
-#   prefetch.sh:staging                  issue 11: the staging budget sweep and the 2 GiB-expert model
-# Done in the third session (add them to STEPS to rerun): prefetch.sh:sanitizer, bench-stats.sh:rows-short.
+# Done in the fourth session (add them to STEPS to rerun): bench-stats.sh:target planted self (issue 9's targets,
+# met), the pp4096 rows of bench-stats.sh:rows; in the third: prefetch.sh:sanitizer, bench-stats.sh:rows-short.
 # Prepare on the CPU machine as prefetch.sh says, then repeat, as device calls carrying .work/archives and .whl,
 #   FOLLOW_S=560 bash ci/gpu/open-issues.sh follow
 # until it prints "pipeline finished". Results land in $OUT (or ./gpu-out), archived as pipeline.tgz.
@@ -23,9 +24,8 @@ follow)
     ;;
 all)
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
-    for s in ${STEPS:-bench-stats.sh:target bench-stats.sh:planted bench-stats.sh:self bench-stats.sh:rows \
-                     prefetch.sh:identity experts-at-scale.sh:share experts-at-scale.sh:minbatch \
-                     experts-at-scale.sh:pin prefetch.sh:staging}; do
+    for s in ${STEPS:-bench-stats.sh:rows-mmap prefetch.sh:identity prefetch.sh:staging experts-at-scale.sh:share \
+                     experts-at-scale.sh:minbatch experts-at-scale.sh:pin}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"
     done

@@ -7,7 +7,8 @@
 //                                         reserve-then-larger | headroom-at-alloc | other-buffer-fails | small-only |
 //                                         earlier-buffer-fails | headroom-later | meta-input | mixed-sizes |
 //                                         budget-steps | ring-overlap | mixed-budget | one-split |
-//                                         headroom-other-device | ring-oplog | poison-then-small
+//                                         headroom-other-device | ring-oplog | ring-oplog-wide |
+//                                         poison-then-small
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -1096,18 +1097,22 @@ static int headroom_other_device(const std::string & name) {
     return 0;
 }
 
-// {512 x 4} (three 1 MiB splits) under GGML_SCHED_PREFETCH_STAGING_MIB: computes the chain once and prints the
-// lookahead; test_prefetch.py reads SIM's op log to see whether any upload overlapped a compute.
-static int ring_oplog(const std::string & name) {
+// a chain of `dims` under GGML_SCHED_PREFETCH_STAGING_MIB: computes it once, checks the result and prints the
+// lookahead and the least share of an upload ahead of the compute before it; test_prefetch.py reads SIM's op log
+// to see whether any upload overlapped a compute.
+static int ring_oplog(const std::string & name, const std::vector<int64_t> & dims) {
     chain c;
-    const std::string err = c.run(prefetch_on(32, 2), { 512, 512, 512, 512 });
+    const std::string err = c.run(prefetch_on(32, 2), dims);
     if (!err.empty()) {
         return fail(name, err);
     }
     const char * reason    = nullptr;
     const int    lookahead = ggml_backend_sched_get_prefetch_depth(c.f.sched, c.f.sim, &reason);
-    printf("ok %s: lookahead %d, staging %zu bytes (%s)\n", name.c_str(), lookahead,
-           ggml_backend_sched_get_prefetch_size(c.f.sched, c.f.sim), reason ? reason : "no reason");
+    ggml_backend_sched_stats st;
+    ggml_backend_sched_get_stats(c.f.sched, &st);
+    printf("ok %s: lookahead %d, staging %zu bytes (%s), ahead %.3f, %zu upload calls\n", name.c_str(), lookahead,
+           ggml_backend_sched_get_prefetch_size(c.f.sched, c.f.sim), reason ? reason : "no reason",
+           ggml_backend_sched_get_prefetch_ahead(c.f.sched, c.f.sim), (size_t) st.n_prefetch_uploads);
     return 0;
 }
 
@@ -1206,7 +1211,10 @@ int main(int argc, char ** argv) {
         { "mixed-budget",         mixed_budget },
         { "one-split",            one_split },
         { "headroom-other-device", headroom_other_device },
-        { "ring-oplog",           ring_oplog },
+        // three 1 MiB splits
+        { "ring-oplog",           [](const std::string & n) { return ring_oplog(n, { 512, 512, 512, 512 }); } },
+        // four 2 MiB splits: a 3 MiB ring holds one and half of the next
+        { "ring-oplog-wide",      [](const std::string & n) { return ring_oplog(n, { 512, 1024, 512, 1024, 512 }); } },
         { "poison-then-small",    poison_then_small },
     };
     if (argc == 2) {
