@@ -25,7 +25,7 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
     cells = report["cells"]
     identity = [c for c in cells if c["cell"]["expect"] == "identical"]
     assert len(identity) >= 7 and all(c["status"] == "pass" for c in identity)
-    assert {c["cell"]["model"] for c in identity} == {"qwen3moe", "glm4moe", "qwen3moe-split"}
+    assert {c["cell"]["model"] for c in identity} == {"qwen3moe", "glm4moe", "qwen3moe-split", "gpt-oss"}
     assert {c["cell"]["backend"] for c in identity} == {"cpu", "sim", "sim2"}
     for cell in identity:
         checks = {c["name"]: c for c in cell["checks"]}

@@ -1,6 +1,7 @@
 """Synthetic Mixture-of-Experts models for benchmarking llama.cpp without real weights.
 
-    shapes     presets (tiny, small, qwen3-30b-a3b, glm-4.5-air) and overrides -> ModelShape
+    shapes     presets (tiny, small, qwen3-30b-a3b, glm-4.5-air, gpt-oss-tiny, gpt-oss-20b) and overrides
+               -> ModelShape (qwen3moe, glm4moe, gpt-oss: per-expert biases, attention sinks, sliding window)
     tokenizer  a deterministic SPM ("llama") vocabulary of pronounceable, prefix-closed pseudo-words
     quant      random Q4_0/Q8_0/F16/F32 tensors generated directly in their on-disk encoding
     tensors    the tensor list per architecture and the weight statistics that keep routing realistic

@@ -18,14 +18,14 @@ _OVERRIDE_HELP = {
     "experts_used": "experts chosen per token (top-k)", "expert_ff": "hidden width of one expert",
     "ff": "hidden width of a dense FFN (glm4moe's leading layers)", "vocab": "tokenizer size",
     "ctx": "training context length", "shared_experts": "shared experts per layer (glm4moe)",
-    "dense_layers": "leading dense layers (glm4moe)",
+    "dense_layers": "leading dense layers (glm4moe)", "sliding_window": "sliding-window width (gpt-oss)",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "synth", help="write a random-weight MoE model (GGUF)",
-        description="Write a random-weight qwen3moe/glm4moe GGUF with realistic expert routing, streaming "
+        description="Write a random-weight qwen3moe/glm4moe/gpt-oss GGUF with realistic expert routing, streaming "
                     f"(any size). Presets: {', '.join(PRESETS)}.")
     p.add_argument("--preset", default="tiny", help=f"base shape ({', '.join(PRESETS)}; default tiny)")
     p.add_argument("--arch", default=None, help=f"{' or '.join(ARCHS)} (default: the preset's)")

@@ -26,6 +26,15 @@ component exactly where we want it:
 * Q4_0/Q8_0 codes get random-signed scales (see quant.py) so no matrix has a mean, the SwiGLU experts have
   zero-mean outputs by symmetry, and glm4moe's v bias is zero, so no layer adds a shared direction by
   accident. (glm4moe's exp_probs_b is nearly zero for the same reason: skew comes from the router only.)
+* gpt-oss's experts have biases, and they are what its model is for (device copies of per-expert tensors):
+  the gate and up biases shift each expert's pre-activations by EXPERT_BIAS_STD (in units of their
+  token-dependent spread), the down bias is a per-expert vector carrying DOWN_BIAS_SHARE of an expert's output
+  (element 0 zero: the massive coordinate stays constant), so leaving any of them out changes every logit.
+  Its activation (SwiGLU-OAI: (clamp(up) + 1) * gate * sigmoid(1.702 gate)) is not zero-mean, so each expert
+  also adds a vector of its own; both kinds differ per expert, and what they share across tokens averages
+  over the experts. The router bias is tiny like exp_probs_b, the attention output and v biases are zero
+  (what passes through attention unchanged would be a shared direction), and the attention sinks are
+  N(0, 1) per head, so they take part of the attention without dominating it.
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ QK_GAIN = 2.0  # q and k are scaled by this: attention logits of std ~4 make att
 #                models, instead of an average over all positions that cancels out to nothing
 ROUTER_LOGIT_STD = 1.0  # token-dependent spread of the router logits
 PROBS_BIAS_STD = 0.001  # glm4moe's selection bias (exp_probs_b): tiny, so it doesn't skew on its own
+EXPERT_BIAS_STD = 0.5  # gpt-oss's gate and up expert biases, relative to the N(0, 1) pre-activations
+DOWN_BIAS_SHARE = 0.5  # gpt-oss: RMS of an expert's down bias relative to its whole output's
+SINK_STD = 1.0  # gpt-oss's attention sinks (one logit per head)
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 
 
 def massive_value(n_embd: int) -> float:
@@ -87,12 +100,22 @@ def gate_weight_rms(n_expert: int, k: int, sigmoid: bool) -> float:
     return float(np.sqrt((w ** 2).sum(axis=1).mean()))
 
 
+def swiglu_oai_rms(bias_std: float) -> float:
+    """RMS of gpt-oss's activation (clamp(u, -L, L) + 1) * g' * sigmoid(alpha g'), g' = min(g, L), for g and u
+    ~N(0, 1) plus a per-unit bias of std `bias_std` on each. A fixed-seed Monte Carlo estimate."""
+    rng = np.random.default_rng(12345)
+    g, u = (rng.standard_normal(1 << 18) + rng.standard_normal(1 << 18) * bias_std for _ in range(2))
+    g = np.minimum(g, OAI_LIMIT)
+    act = g / (1 + np.exp(-OAI_ALPHA * g)) * (np.clip(u, -OAI_LIMIT, OAI_LIMIT) + 1)
+    return float(np.sqrt((act ** 2).mean()))
+
+
 def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: float = 0.1) -> list[TensorSpec]:
     """Every tensor of the model, in file order."""
     s, a = shape, residual_scale
     n = s.n_embd
     q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-    glm = s.arch == "glm4moe"
+    glm, oss = s.arch == "glm4moe", s.arch == "gpt-oss"
     stream = _Stream(n, a)
 
     def reader(name: str, rows: int, std: float, experts: int = 0) -> TensorSpec:
@@ -110,31 +133,45 @@ def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: f
         key = [seed, zlib.crc32(name.encode())]
         return TensorSpec(name, (size,), QT.F32, values=lambda: np.random.default_rng(key).normal(0, std, size))
 
-    def down_std(width: int, share: float = 1.0, w_rms: float = 1.0) -> float:
+    def expert_bias(name: str, width: int, std: float, zero0: bool = False) -> TensorSpec:
+        # one row per expert; zero0: element 0 zero, so a bias on the stream leaves the massive coordinate alone
+        def values() -> np.ndarray:
+            v = np.random.default_rng([seed, zlib.crc32(name.encode())]).normal(0, std, (s.n_expert, width))
+            if zero0:
+                v[:, 0] = 0.0
+            return v
+        return TensorSpec(name, (s.n_expert, width), QT.F32, values=values)
+
+    def down_std(width: int, share: float = 1.0, w_rms: float = 1.0, act_rms: float = SWIGLU_RMS) -> float:
         # a SwiGLU block's output adds `share * a` of the embedding's RMS to the stream
-        return share * a * EMBD_STD / (SWIGLU_RMS * math.sqrt(width) * w_rms)
+        return share * a * EMBD_STD / (act_rms * math.sqrt(width) * w_rms)
 
     specs = [TensorSpec("token_embd.weight", (s.n_vocab, n), QT.F16, std=EMBD_STD, in0=massive_value(n))]
     attn_out_std = a * EMBD_STD / (math.sqrt(q_dim) * ATTN_OUT_RMS)
     w_rms = gate_weight_rms(s.n_expert, s.n_expert_used, sigmoid=glm)
-    # glm4moe splits the FFN perturbation between the routed and the shared experts
-    share = 1 / math.sqrt(2) if glm else 1.0
+    # glm4moe splits the FFN perturbation between the routed and the shared experts; gpt-oss between an
+    # expert's matrices and its down bias
+    share = 1 / math.sqrt(2) if glm else math.sqrt(1 - DOWN_BIAS_SHARE ** 2) if oss else 1.0
+    act_rms = swiglu_oai_rms(EXPERT_BIAS_STD) if oss else SWIGLU_RMS
     for il in range(s.n_layer):
         p = f"blk.{il}."
         r_attn, r_ffn = stream.read_std(2 * il), stream.read_std(2 * il + 1)
-        qk = QK_GAIN if glm else 1.0  # qwen3moe gets its gain from the q/k norm weights instead
+        qk = QK_GAIN if glm or oss else 1.0  # qwen3moe gets its gain from the q/k norm weights instead
         specs += [const(p + "attn_norm.weight", n),
                   reader(p + "attn_q.weight", q_dim, r_attn * qk), reader(p + "attn_k.weight", kv_dim, r_attn * qk),
                   reader(p + "attn_v.weight", kv_dim, r_attn)]
-        if glm:  # GLM-4.5 has q/k/v biases and no q/k norms. A v bias passes through attention unchanged
-            #      and adds the same vector to every token, layer after layer: keep it zero
+        if glm or oss:  # GLM-4.5 and gpt-oss have q/k/v biases and no q/k norms. A v bias passes through
+            #             attention unchanged and adds the same vector to every token, layer after layer: keep
+            #             it zero
             specs += [small(p + "attn_q.bias", q_dim, 0.1), small(p + "attn_k.bias", kv_dim, 0.1),
                       const(p + "attn_v.bias", kv_dim, 0.0)]
         specs.append(writer(p + "attn_output.weight", q_dim, attn_out_std))
-        if not glm:
+        if oss:  # the output bias (required) would add one vector to every token like the v bias: zero
+            specs += [const(p + "attn_output.bias", n, 0.0), small(p + "attn_sinks.weight", s.n_head, SINK_STD)]
+        if not (glm or oss):
             specs += [const(p + "attn_q_norm.weight", s.head_dim, QK_GAIN),
                       const(p + "attn_k_norm.weight", s.head_dim, QK_GAIN)]
-        specs.append(const(p + ("post_attention_norm.weight" if glm else "ffn_norm.weight"), n))
+        specs.append(const(p + ("post_attention_norm.weight" if glm or oss else "ffn_norm.weight"), n))
 
         if il < s.n_dense_lead:
             specs += [reader(p + "ffn_gate.weight", s.n_ff, r_ffn), reader(p + "ffn_up.weight", s.n_ff, r_ffn),
@@ -143,9 +180,18 @@ def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: f
         specs.append(_router(p + "ffn_gate_inp.weight", s, stream, 2 * il + 1, skew, seed))
         if glm:
             specs.append(small(p + "exp_probs_b.bias", s.n_expert, PROBS_BIAS_STD))
+        if oss:  # gpt-oss's router bias adds to the logits it selects and weighs by: tiny, as exp_probs_b
+            specs.append(small(p + "ffn_gate_inp.bias", s.n_expert, PROBS_BIAS_STD))
+        down = down_std(s.expert_ff, share, w_rms, act_rms)
         specs += [reader(p + "ffn_gate_exps.weight", s.expert_ff, r_ffn, s.n_expert),
                   reader(p + "ffn_up_exps.weight", s.expert_ff, r_ffn, s.n_expert),
-                  writer(p + "ffn_down_exps.weight", s.expert_ff, down_std(s.expert_ff, share, w_rms), s.n_expert)]
+                  writer(p + "ffn_down_exps.weight", s.expert_ff, down, s.n_expert)]
+        if oss:
+            # the down bias's RMS: DOWN_BIAS_SHARE of one expert's output (its matrix part has `share` of it)
+            down_bias = DOWN_BIAS_SHARE * a * EMBD_STD / w_rms
+            specs += [expert_bias(p + "ffn_gate_exps.bias", s.expert_ff, EXPERT_BIAS_STD),
+                      expert_bias(p + "ffn_up_exps.bias", s.expert_ff, EXPERT_BIAS_STD),
+                      expert_bias(p + "ffn_down_exps.bias", n, down_bias, zero0=True)]
         if glm:
             sh_ff = s.expert_ff * s.n_shared
             specs += [reader(p + "ffn_gate_shexp.weight", sh_ff, r_ffn),

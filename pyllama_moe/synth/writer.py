@@ -139,6 +139,10 @@ def _metadata(w: GGUFWriter, s: ModelShape, qt: QT, skew: float, seed: int, resi
     w.add_expert_count(s.n_expert)
     w.add_expert_used_count(s.n_expert_used)
     w.add_expert_feed_forward_length(s.expert_ff)
+    if s.arch == "gpt-oss":
+        # every other layer from layer 0 slides (llama.cpp's default pattern for gpt-oss, so none is written);
+        # the expert gating (softmax over the chosen experts' logits) and the activation are fixed by the arch
+        w.add_sliding_window(s.n_swa)
     if s.arch == "glm4moe":
         w.add_expert_shared_count(s.n_shared)
         w.add_leading_dense_block_count(s.n_dense_lead)
