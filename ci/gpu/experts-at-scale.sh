@@ -21,8 +21,10 @@ here=$(dirname "$0")
 skewed_model() { # $1: routing skew; the 30B shape with that skew, written once
     local path=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew$1.gguf
     [ "$1" = 0 ] && path=$MODEL
-    [ -f "$path" ] || python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew "$1" \
-        -o "$path.partial" --quiet < /dev/null >&2 && mv "$path.partial" "$path" >&2
+    if [ ! -f "$path" ]; then
+        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew "$1" \
+            -o "$path.partial" --quiet < /dev/null >&2 && mv "$path.partial" "$path" >&2 || return 1
+    fi
     echo "$path"
 }
 
@@ -44,9 +46,12 @@ minbatch)
     wait_builds 60 || exit 1
     for skew in 0 0.5; do
         m=$(skewed_model $skew) || exit 1
-        BENCH_MODEL=$m bench 420 --baseline patched --candidate patched \
+        # ~5 s a pp512 at ub 32 (16 ubatches, each sending most experts), ~60-90 s a round of both sides: the time
+        # budget keeps what ran (a round that would not fit is not started) inside the timeout
+        BENCH_MODEL=$m bench 330 --baseline patched --candidate patched \
             --baseline-env GGML_SCHED_PREFETCH_MIN_BATCH=1000000 --candidate-env GGML_SCHED_PREFETCH_MIN_BATCH=1 \
-            --rounds ${ROUNDS:-3} --reps 3 --discard 1 --pin-threads --json "$OUT/minbatch-skew$skew.json" \
+            --rounds ${ROUNDS:-3} --max-seconds ${MINBATCH_S:-240} --reps 2 --discard 1 --pin-threads \
+            --json "$OUT/minbatch-skew$skew.json" \
             -- -p 512 -n 0 -b 512 -ub 32,64,128,256,512 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/minbatch-skew$skew.txt"
     done
     python3 -m pyllama_moe plot "$OUT"/minbatch-skew0.json "$OUT"/minbatch-skew0.5.json --sweep n_ubatch \
@@ -55,7 +60,7 @@ minbatch)
     ;;
 share)
     wait_builds 60 || exit 1
-    bench 560 --rounds ${ROUNDS:-8} --reps 3 --discard 1 --pin-threads --limit-row n_cpu_moe=0 \
+    bench 560 --rounds ${ROUNDS:-8} --max-seconds 480 --reps 3 --discard 1 --pin-threads --limit-row n_cpu_moe=0 \
         --pcie-bound --json "$OUT/share-pp4096-ub4096.json" -- -p 4096 -n 0 -b 4096 -ub 4096 -ngl 99 -ncmoe 48,0 -lm none \
         2>&1 | tee "$OUT/share-pp4096-ub4096.txt"
     ;;

@@ -6,6 +6,7 @@
 #   bench-stats.sh:rows-mmap             issues 9 and 10: the mmap row with intervals, the last prefetch row
 #   prefetch.sh:identity                 issue 11: the CUDA identity cells, now with the split GGUF model, the
 #                                        partial pin and the 2 MiB staging budget
+#   prefetch.sh:sanitizer-pieces         issue 11: memcheck over a prompt whose uploads go in pieces (lookahead 1)
 #   prefetch.sh:staging                  issue 11: the staging budget sweep and the 2 GiB-expert model (lookahead 1
 #                                        with pieces) against master
 #   experts-at-scale.sh:share minbatch pin   issue 11: the ub 4096 share target, the min-batch sweep, a partial pin
@@ -24,7 +25,7 @@ follow)
     ;;
 all)
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
-    for s in ${STEPS:-bench-stats.sh:rows-mmap prefetch.sh:identity prefetch.sh:staging experts-at-scale.sh:share \
+    for s in ${STEPS:-bench-stats.sh:rows-mmap prefetch.sh:identity prefetch.sh:sanitizer-pieces prefetch.sh:staging experts-at-scale.sh:share \
                      experts-at-scale.sh:minbatch experts-at-scale.sh:pin}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"

@@ -18,7 +18,7 @@
 #   ci/gpu/prefetch.sh follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished". Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: prefetch.sh build|check|identity|sanitizer|bench|staging|follow|all}
+step=${1:?usage: prefetch.sh build|check|identity|sanitizer|sanitizer-pieces|bench|staging|follow|all}
 . "$(dirname "$0")/common.sh"
 PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, archived into $OUT by each follow call
 
@@ -49,21 +49,29 @@ identity)
     done
     timeout 300 python3 ci/gpu/syncs_per_token.py --archive-dir $A --model "$MODEL" 2>&1 | tee "$OUT/syncs.txt"
     ;;
+sanitizer-pieces)
+    # the same with a 1 MiB ring (under two of the tiny model's 0.53 MiB largest split): lookahead 1, every upload
+    # in two pieces, poisoned
+    SANITIZER_CASES=pieces bash "$0" sanitizer
+    ;;
 sanitizer)
     # stream ordering and memory: memcheck over a prefetched prompt (default mode 1 on CUDA) on the matrix's
-    # tiny qwen3moe model, made here when no identity run made it before
+    # tiny qwen3moe model, made here when no identity run made it before. SANITIZER_CASES: 0 (no debug poison),
+    # 1 (poison), pieces (poison and a 1 MiB staging budget)
     wait_builds 300 || exit 1
     P=$(patched_bin)
     tiny_prompt
     [ -x "$P/llama-completion" ] && [ -f "$SMALL" ] || { echo "sanitizer: no patched llama-completion or tiny model"; exit 1; }
     PEAK_RSS=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v")  # GNU time, where the machine has it
-    for poison in 0 1; do
+    for poison in ${SANITIZER_CASES:-0 1}; do
+        staging=$([ "$poison" = pieces ] && echo 1 || echo 0)
         # in the foreground, with the machine's memory sampled at the start and every second, and the tool's peak RSS: an earlier run
         # of the poisoned one, detached between two device calls, ended with exit 137 and nothing else known
         ( while :; do echo "$(date +%T) $(free -m | awk '/Mem:/ {print "used", $3, "MiB, available", $7, "MiB"}')"; sleep 1; done ) \
             > "$OUT/sanitizer-$poison-memory.txt" 2>&1 &
         sampler=$!
-        GGML_SCHED_PREFETCH_DEBUG_POISON=$poison timeout 400 $PEAK_RSS compute-sanitizer --tool memcheck --error-exitcode 3 \
+        GGML_SCHED_PREFETCH_DEBUG_POISON=$([ "$poison" = 0 ] && echo 0 || echo 1) GGML_SCHED_PREFETCH_STAGING_MIB=$staging \
+            timeout 400 $PEAK_RSS compute-sanitizer --tool memcheck --error-exitcode 3 \
             "$P/llama-completion" -m "$SMALL" -ngl 99 -cmoe -lm none -ub 512 -b 2048 -f /tmp/prompt.txt -n 8 \
             --temp 0 --fit off -no-cnv -v > "$OUT/sanitizer-$poison.txt" 2>&1
         rc=$?
