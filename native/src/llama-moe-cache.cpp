@@ -24,6 +24,7 @@ llama_moe_cache_sizing llama_moe_cache_size_banks(size_t budget, const std::vect
     llama_moe_cache_sizing r;
     r.budget = budget;
     r.n_slots.assign(layers.size(), 0);
+    r.bytes.assign(layers.size(), 0);
 
     std::vector<size_t> host;
     size_t need = 0;
@@ -61,6 +62,9 @@ llama_moe_cache_sizing llama_moe_cache_size_banks(size_t budget, const std::vect
                 grew = true;
             }
         }
+    }
+    for (size_t i : host) {
+        r.bytes[i] = layers[i].overhead_bytes + (size_t) r.n_slots[i] * layers[i].expert_bytes;
     }
     r.bytes_used = used;
     r.n_layers   = (int32_t) host.size();
@@ -275,7 +279,17 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     return true;
 }
 
-void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+// routed tokens per expert of this ubatch into l.cnt
+static void count_routed(llama_moe_cache_layer & l, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride) {
+    std::fill(l.cnt.begin(), l.cnt.end(), 0);
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            l.cnt[routed(l, ids, t, j, stride)]++;
+        }
+    }
+}
+
+void llama_moe_cache::prompt_stage(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
         bool stage_all, llama_moe_cache_prompt_plan & out) {
     llama_moe_cache_layer & l = layer_of(*this, il);
     llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
@@ -285,18 +299,10 @@ void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tok
     out.evicted.clear();
     st.n_ubatches++;
 
-    std::fill(l.cnt.begin(), l.cnt.end(), 0);
-    for (int64_t t = 0; t < n_tokens; t++) {
-        for (int32_t j = 0; j < n_used; j++) {
-            l.cnt[routed(l, ids, t, j, stride)]++;
-        }
+    MOE_CACHE_ASSERT(stage_all || ids != nullptr);
+    if (!stage_all) {
+        count_routed(l, ids, n_tokens, n_used, stride);
     }
-    // halving keeps the score a recent count, so an expert that a prompt stops routing loses its place in a few
-    // ubatches, while one ubatch's noise does not move the set
-    for (int32_t e = 0; e < l.n_expert; e++) {
-        l.score[e] = l.score[e] / 2 + l.cnt[e];
-    }
-
     for (int32_t e = 0; e < l.n_expert; e++) {
         if (!stage_all && l.cnt[e] == 0) {
             continue;
@@ -304,11 +310,33 @@ void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tok
         const int32_t s = l.slot_of[e];
         if (s >= 0) {
             out.reads.push_back({ e, s });
-            if (l.cnt[e] > 0) {
-                l.ref[s] = 1;
-            }
         } else {
             out.uploads.push_back(e);
+        }
+    }
+    st.n_hits         += out.reads.size();
+    st.n_misses       += out.uploads.size();
+    st.bytes_uploaded += out.uploads.size() * l.expert_bytes;
+    st.bytes_copied   += out.reads.size() * l.expert_bytes;
+    st.n_copy_calls   += (n_runs(out.reads) + n_runs(out.uploads)) * l.n_tensors;
+}
+
+void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        llama_moe_cache_prompt_plan & out) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+    out.admits.clear();
+    out.evicted.clear();
+
+    count_routed(l, ids, n_tokens, n_used, stride);
+    // halving keeps the score a recent count, so an expert that a prompt stops routing loses its place in a few
+    // ubatches, while one ubatch's noise does not move the set
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        l.score[e] = l.score[e] / 2 + l.cnt[e];
+    }
+    for (int32_t s = 0; s < l.n_slots; s++) {
+        if (l.expert_of[s] >= 0 && l.cnt[l.expert_of[s]] > 0) {
+            l.ref[s] = 1;
         }
     }
 
@@ -318,7 +346,7 @@ void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tok
     std::vector<int32_t> & cand = scratch;
     cand.clear();
     for (int32_t e : out.uploads) {
-        if (l.cnt[e] > 0) {
+        if (l.cnt[e] > 0 && l.slot_of[e] < 0) {
             cand.push_back(e);
         }
     }
@@ -350,15 +378,18 @@ void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tok
         l.pin[s] = l.epoch;
     }
 
-    st.n_hits         += out.reads.size();
-    st.n_misses       += out.uploads.size();
-    st.bytes_uploaded += out.uploads.size() * l.expert_bytes;
-    st.bytes_copied   += (out.reads.size() + out.admits.size()) * l.expert_bytes;
+    st.bytes_copied += out.admits.size() * l.expert_bytes;
     std::vector<llama_moe_cache_fill> admits = out.admits;
     std::sort(admits.begin(), admits.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
         return a.expert < b.expert;
     });
-    st.n_copy_calls += (n_runs(out.reads) + n_runs(out.uploads) + n_runs(admits)) * l.n_tensors;
+    st.n_copy_calls += n_runs(admits) * l.n_tensors;
+}
+
+void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        bool stage_all, llama_moe_cache_prompt_plan & out) {
+    prompt_stage(il, ids, n_tokens, n_used, stride, stage_all, out);
+    prompt_admit(il, ids, n_tokens, n_used, stride, out);
 }
 
 llama_moe_cache_stats llama_moe_cache::get_stats(int32_t il, llama_moe_cache_phase phase) const {

@@ -45,6 +45,7 @@ struct llama_moe_cache_layer_desc {
 
 struct llama_moe_cache_sizing {
     std::vector<int32_t> n_slots; // per desc, in the order given; 0: not cached
+    std::vector<size_t>  bytes;   // per desc: its slots and overhead, 0 when not cached (for the memory breakdown)
     size_t      budget     = 0;
     size_t      bytes_used = 0;   // slots and overheads of the cached layers, <= budget
     int32_t     n_layers   = 0;   // layers with slots
@@ -124,6 +125,7 @@ struct llama_moe_cache_layer {
     uint32_t epoch = 0;
 };
 
+// Not thread-safe: one per context, planned from the thread that computes its graphs.
 struct llama_moe_cache {
     llama_moe_cache(const std::vector<llama_moe_cache_layer_desc> & layers, const llama_moe_cache_sizing & sizing);
 
@@ -136,8 +138,15 @@ struct llama_moe_cache {
     bool plan_decode(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
             llama_moe_cache_decode_plan & out);
 
-    // stage_all: the ubatch stages every expert of the layer (a prefetch issued ahead, before the routing is known),
-    // else only the routed ones. ids decide scores and admits; with stage_all they may be an earlier ubatch's.
+    // A prompt ubatch in two steps, because an upload issued ahead of the split (stage_all: the ubatch stages every
+    // expert of the layer) cannot wait for the router: prompt_stage lists reads and uploads from the residents
+    // alone (ids may be null with stage_all; else only the routed experts are staged); prompt_admit, once the
+    // routing is known, updates the scores and picks the admits among out.uploads. Nothing else may plan the layer
+    // in between. plan_prompt does both.
+    void prompt_stage(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, bool stage_all,
+            llama_moe_cache_prompt_plan & out);
+    void prompt_admit(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+            llama_moe_cache_prompt_plan & out);
     void plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, bool stage_all,
             llama_moe_cache_prompt_plan & out);
 

@@ -243,6 +243,8 @@ static void sizing_hetero() {
     CHECK(s.n_slots[0] == 0 && s.n_slots[1] == 41 && s.n_slots[2] == 40 && s.n_slots[3] == 41, "%d %d %d %d",
             s.n_slots[0], s.n_slots[1], s.n_slots[2], s.n_slots[3]);
     CHECK(s.n_layers == 3 && s.bytes_used == 162 * MiB + 3 * MiB / 16, "%d layers, %zu", s.n_layers, s.bytes_used);
+    CHECK(s.bytes[0] == 0 && s.bytes[1] == 41 * MiB + MiB / 16 && s.bytes[2] == 80 * MiB + MiB / 16 &&
+            s.bytes[1] + s.bytes[2] + s.bytes[3] == s.bytes_used, "per-layer bytes %zu %zu %zu", s.bytes[1], s.bytes[2], s.bytes[3]);
     check_maximal(d, s);
     // the overheads count: without them one slot per layer (4 MiB) fits, with them it does not
     s = llama_moe_cache_size_banks(4 * MiB, d);
@@ -533,6 +535,38 @@ static void prompt_hysteresis() {
     check_cache(c);
 }
 
+static void prompt_two_steps() {
+    // stage ahead of the router (ids unknown), admit after it: the same plans and state as plan_prompt with the ids
+    router r(128, 8, 0.5, 21);
+    llama_moe_cache one = one_layer(128, 80);
+    llama_moe_cache two = one_layer(128, 80);
+    bank b(two);
+    llama_moe_cache_prompt_plan p1;
+    llama_moe_cache_prompt_plan p2;
+    for (int ub = 0; ub < 6; ub++) {
+        const int64_t n_tokens = ub == 3 ? 16 : 512; // a short one: some residents unrouted
+        std::vector<int32_t> ids = r.route(n_tokens);
+        one.plan_prompt(0, ids.data(), n_tokens, 8, 8, true, p1);
+        two.prompt_stage(0, nullptr, 0, 8, 8, true, p2);
+        // staged ahead: every resident read, every other expert uploaded
+        CHECK(p2.reads.size() == (size_t) (80 - two.layer(0)->n_free) && p2.reads.size() + p2.uploads.size() == 128 &&
+                p2.admits.empty(), "ubatch %d: %zu reads, %zu uploads", ub, p2.reads.size(), p2.uploads.size());
+        two.prompt_admit(0, ids.data(), n_tokens, 8, 8, p2);
+        b.prompt(two, 0, p2);
+        CHECK(p1.reads.size() == p2.reads.size() && p1.uploads == p2.uploads && p1.evicted == p2.evicted &&
+                p1.admits.size() == p2.admits.size(), "ubatch %d: the two forms differ", ub);
+        for (size_t i = 0; i < p1.admits.size(); i++) {
+            CHECK(p1.admits[i].expert == p2.admits[i].expert && p1.admits[i].slot == p2.admits[i].slot, "ubatch %d admit %zu", ub, i);
+        }
+        CHECK(one.layer(0)->expert_of == two.layer(0)->expert_of && one.layer(0)->ref == two.layer(0)->ref, "ubatch %d: states differ", ub);
+    }
+    const llama_moe_cache_stats a = one.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    const llama_moe_cache_stats c = two.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    CHECK(a.n_ubatches == 6 && a.n_ubatches == c.n_ubatches && a.n_hits == c.n_hits && a.bytes_uploaded == c.bytes_uploaded &&
+            a.bytes_copied == c.bytes_copied && a.n_copy_calls == c.n_copy_calls && a.n_fills == c.n_fills, "stats differ");
+    check_cache(two);
+}
+
 //
 // stats and the debug knob
 //
@@ -716,6 +750,7 @@ int main(int argc, char ** argv) {
         { "prompt-uploads-once",     prompt_uploads_once },
         { "prompt-no-thrash",        prompt_no_thrash },
         { "prompt-hysteresis",       prompt_hysteresis },
+        { "prompt-two-steps",        prompt_two_steps },
         { "stats-arithmetic",        stats_arithmetic },
         { "skip-fill",               skip_fill },
     };
