@@ -11,17 +11,18 @@
 // uniform share maximises the worst layer's hit rate and, because a slot and a miss of a layer both cost that
 // layer's expert bytes, also the bytes saved overall. Dense layers (no experts) are skipped; a budget that cannot
 // give every MoE layer min_slots gives no layer a cache (a partial cover would favour the first layers) and says why.
+// Banks are per device: size each device's layers against that device's budget.
 //
 // Decode (plan_decode): CLOCK over the slots of a layer. A hit sets the slot's reference bit; a miss takes a free
 // slot, else the first slot under the hand whose bit is clear, clearing bits as it passes; slots that the same
 // ubatch uses are never taken. A ubatch with more distinct experts in a layer than the layer has slots changes
 // nothing and says so: the caller takes the staging path for that layer.
 //
-// Prompts (plan_prompt): a large ubatch routes to nearly every expert, so LRU or CLOCK would replace the whole set
-// every ubatch and send every expert again. The resident set is kept stable instead: residents stay; misses go to
-// staging for this ubatch and fill free slots, most-routed first; a resident is replaced only when this ubatch does
-// not route it and a miss's score (routed tokens, halved every prompt ubatch) is more than twice its own. A prompt
-// whose experts fit in the slots uploads each expert once.
+// Prompts (plan_prompt, or prompt_stage then prompt_admit): a large ubatch routes to nearly every expert, so LRU
+// or CLOCK would replace the whole set every ubatch and send every expert again. The resident set is kept stable
+// instead: residents stay; misses go to staging for this ubatch and fill free slots, highest score first; a
+// resident is replaced only when this ubatch does not route it and a miss's score (routed tokens, halved every
+// prompt ubatch) is more than twice its own. A prompt whose experts fit in the slots uploads each expert once.
 //
 // Callers (the later graph and scheduler hooks): a decode plan's fills are uploads host -> bank slot, to be done
 // before the layer's matmuls read slot_ids; a prompt plan's reads (bank -> staging) come before its admits

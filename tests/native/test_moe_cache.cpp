@@ -6,8 +6,8 @@
 //   t sim     the hit-rate table of results/cache-planner.md
 //
 // Routing is drawn like the synthetic models' (pyllama_moe/synth/tensors.py): per token, router logits N(0, 1)
-// plus skew * z_e, z_e fixed per expert from a centred, standardised exponential; the top-k of them. The generator is mt19937_64 with its own
-// Box-Muller, so every platform draws the same experts.
+// plus skew * z_e, z_e fixed per expert from a centred, standardised exponential; the top-k of them. The
+// generator is mt19937_64 with its own Box-Muller, so every platform draws the same experts.
 //
 // Most cases keep a simulated bank (the expert each slot really holds, changed only by the fills and admits a plan
 // returns) and check every read against the routing: a plan that maps an expert to a slot it never filled fails.
