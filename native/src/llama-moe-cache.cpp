@@ -1,0 +1,454 @@
+// llama-moe-cache.cpp: the host-side bookkeeping of the MoE expert cache; see llama-moe-cache.h for the rules.
+#include "llama-moe-cache.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+
+// no GGML_ASSERT: the module must build without ggml, for its standalone test
+#define MOE_CACHE_ASSERT(x)                                                                   \
+    do {                                                                                      \
+        if (!(x)) {                                                                           \
+            fprintf(stderr, "%s:%d: llama_moe_cache: assertion failed: %s\n", __FILE__, __LINE__, #x); \
+            abort();                                                                          \
+        }                                                                                     \
+    } while (0)
+
+static double mib(size_t bytes) {
+    return bytes / (1024.0 * 1024.0);
+}
+
+llama_moe_cache_sizing llama_moe_cache_size_banks(size_t budget, const std::vector<llama_moe_cache_layer_desc> & layers,
+        int32_t min_slots) {
+    llama_moe_cache_sizing r;
+    r.budget = budget;
+    r.n_slots.assign(layers.size(), 0);
+    r.bytes.assign(layers.size(), 0);
+
+    std::vector<size_t> host;
+    size_t need = 0;
+    for (size_t i = 0; i < layers.size(); i++) {
+        const llama_moe_cache_layer_desc & l = layers[i];
+        if (l.n_expert > 0 && l.expert_bytes > 0) {
+            host.push_back(i);
+            need += l.overhead_bytes + (size_t) std::min(std::max(min_slots, 1), l.n_expert) * l.expert_bytes;
+        }
+    }
+    if (host.empty()) {
+        r.reason = "no MoE layer has its experts on the host";
+        return r;
+    }
+    if (need > budget) {
+        char buf[256];
+        snprintf(buf, sizeof(buf), "a budget of %.2f MiB is below %d slot%s in each of the %zu MoE layers (%.2f MiB)",
+                mib(budget), std::max(min_slots, 1), min_slots > 1 ? "s" : "", host.size(), mib(need));
+        r.reason = buf;
+        return r;
+    }
+
+    // water-filling, one slot per layer and pass: the equal share, then the remainder in layer order; a layer
+    // whose next slot does not fit is passed over, so smaller experts of later layers may still use the rest
+    size_t used = need;
+    for (size_t i : host) {
+        r.n_slots[i] = std::min(std::max(min_slots, 1), layers[i].n_expert);
+    }
+    for (bool grew = true; grew; ) {
+        grew = false;
+        for (size_t i : host) {
+            if (r.n_slots[i] < layers[i].n_expert && used + layers[i].expert_bytes <= budget) {
+                r.n_slots[i]++;
+                used += layers[i].expert_bytes;
+                grew = true;
+            }
+        }
+    }
+    for (size_t i : host) {
+        r.bytes[i] = layers[i].overhead_bytes + (size_t) r.n_slots[i] * layers[i].expert_bytes;
+    }
+    r.bytes_used = used;
+    r.n_layers   = (int32_t) host.size();
+    return r;
+}
+
+void llama_moe_cache_stats::add(const llama_moe_cache_stats & o) {
+    n_ubatches     += o.n_ubatches;
+    n_hits         += o.n_hits;
+    n_misses       += o.n_misses;
+    n_overflow     += o.n_overflow;
+    n_fills        += o.n_fills;
+    n_evictions    += o.n_evictions;
+    bytes_uploaded += o.bytes_uploaded;
+    bytes_copied   += o.bytes_copied;
+    n_copy_calls   += o.n_copy_calls;
+}
+
+// copies of the per-copy path: runs of consecutive experts (and, with slots, consecutive slots), per tensor
+static uint64_t n_runs(const std::vector<int32_t> & experts) {
+    uint64_t n = 0;
+    for (size_t i = 0; i < experts.size(); i++) {
+        n += i == 0 || experts[i] != experts[i - 1] + 1;
+    }
+    return n;
+}
+
+static uint64_t n_runs(const std::vector<llama_moe_cache_fill> & fills) {
+    uint64_t n = 0;
+    for (size_t i = 0; i < fills.size(); i++) {
+        n += i == 0 || fills[i].expert != fills[i - 1].expert + 1 || fills[i].slot != fills[i - 1].slot + 1;
+    }
+    return n;
+}
+
+llama_moe_cache::llama_moe_cache(const std::vector<llama_moe_cache_layer_desc> & descs, const llama_moe_cache_sizing & sizing) {
+    MOE_CACHE_ASSERT(sizing.n_slots.size() == descs.size());
+    int32_t max_il = -1;
+    for (size_t i = 0; i < descs.size(); i++) {
+        if (sizing.n_slots[i] <= 0) {
+            continue;
+        }
+        const llama_moe_cache_layer_desc & d = descs[i];
+        MOE_CACHE_ASSERT(d.il >= 0 && sizing.n_slots[i] <= d.n_expert);
+        llama_moe_cache_layer l;
+        l.il           = d.il;
+        l.n_expert     = d.n_expert;
+        l.n_slots      = sizing.n_slots[i];
+        l.n_tensors    = std::max(d.n_tensors, 1);
+        l.expert_bytes = d.expert_bytes;
+        l.slot_of.assign(l.n_expert, -1);
+        l.expert_of.assign(l.n_slots, -1);
+        l.ref.assign(l.n_slots, 0);
+        l.n_free = l.n_slots;
+        l.score.assign(l.n_expert, 0);
+        l.seen.assign(l.n_expert, 0);
+        l.pin.assign(l.n_slots, 0);
+        l.cnt.assign(l.n_expert, 0);
+        layers.push_back(std::move(l));
+        max_il = std::max(max_il, d.il);
+    }
+    layer_index.assign(max_il + 1, -1);
+    for (size_t i = 0; i < layers.size(); i++) {
+        MOE_CACHE_ASSERT(layer_index[layers[i].il] < 0);
+        layer_index[layers[i].il] = (int32_t) i;
+    }
+}
+
+const llama_moe_cache_layer * llama_moe_cache::layer(int32_t il) const {
+    if (il < 0 || il >= (int32_t) layer_index.size() || layer_index[il] < 0) {
+        return nullptr;
+    }
+    return &layers[layer_index[il]];
+}
+
+// a new epoch for the per-ubatch marks; on wrap the marks are cleared so that an old mark never reads as current
+static void next_epoch(llama_moe_cache_layer & l) {
+    if (++l.epoch == 0) {
+        std::fill(l.seen.begin(), l.seen.end(), 0);
+        std::fill(l.pin.begin(), l.pin.end(), 0);
+        l.epoch = 1;
+    }
+}
+
+// puts expert e into slot s (evicting its expert) and returns whether the fill goes into the plan
+static bool assign(llama_moe_cache & c, llama_moe_cache_layer & l, int32_t e, int32_t s, llama_moe_cache_stats & st) {
+    const int32_t old = l.expert_of[s];
+    if (old >= 0) {
+        l.slot_of[old] = -1;
+        st.n_evictions++;
+    } else {
+        l.n_free--;
+    }
+    l.expert_of[s] = e;
+    l.slot_of[e]   = s;
+    l.ref[s]       = 1;
+    st.n_fills++;
+    return ++c.n_fills_planned != c.debug_skip_fill;
+}
+
+// lowest free slot; only called while n_free > 0
+static int32_t free_slot(const llama_moe_cache_layer & l) {
+    for (int32_t s = 0; s < l.n_slots; s++) {
+        if (l.expert_of[s] < 0) {
+            return s;
+        }
+    }
+    MOE_CACHE_ASSERT(false);
+    return -1;
+}
+
+// CLOCK: the first slot under the hand that this ubatch does not use and whose reference bit is clear, clearing the
+// bits it passes. At least one slot is not pinned (the caller checked the distinct experts against the slots), so
+// two turns of the hand always find one.
+static int32_t clock_victim(llama_moe_cache_layer & l) {
+    for (int32_t step = 0; step < 2 * l.n_slots + 1; step++) {
+        const int32_t s = l.hand;
+        l.hand = (l.hand + 1) % l.n_slots;
+        if (l.pin[s] == l.epoch) {
+            continue;
+        }
+        if (l.ref[s]) {
+            l.ref[s] = 0;
+            continue;
+        }
+        return s;
+    }
+    MOE_CACHE_ASSERT(false);
+    return -1;
+}
+
+static llama_moe_cache_layer & layer_of(llama_moe_cache & c, int32_t il) {
+    MOE_CACHE_ASSERT(il >= 0 && il < (int32_t) c.layer_index.size() && c.layer_index[il] >= 0);
+    return c.layers[c.layer_index[il]];
+}
+
+static int32_t routed(const llama_moe_cache_layer & l, const int32_t * ids, int64_t t, int32_t j, int64_t stride) {
+    const int32_t e = ids[t * stride + j];
+    MOE_CACHE_ASSERT(e >= 0 && e < l.n_expert);
+    return e;
+}
+
+bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        llama_moe_cache_decode_plan & out) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_DECODE];
+    out.overflow = false;
+    out.slot_ids.assign((size_t) (n_tokens * n_used), 0);
+    out.fills.clear();
+
+    // distinct experts in order of first appearance: the plan depends on the routing only, never on addresses
+    next_epoch(l);
+    std::vector<int32_t> & distinct = scratch;
+    distinct.clear();
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = routed(l, ids, t, j, stride);
+            if (l.seen[e] != l.epoch) {
+                l.seen[e] = l.epoch;
+                distinct.push_back(e);
+            }
+        }
+    }
+    out.n_distinct = (int32_t) distinct.size();
+    st.n_ubatches++;
+
+    if (out.n_distinct > l.n_slots) {
+        // the staging path uploads the routed experts (in runs of consecutive ids): misses all of them
+        out.overflow = true;
+        std::vector<int32_t> sorted = distinct;
+        std::sort(sorted.begin(), sorted.end());
+        st.n_overflow++;
+        st.n_misses       += sorted.size();
+        st.bytes_uploaded += sorted.size() * l.expert_bytes;
+        st.n_copy_calls   += n_runs(sorted) * l.n_tensors;
+        return false;
+    }
+
+    // hits first, so that no miss can take the slot of an expert this ubatch reads
+    for (int32_t e : distinct) {
+        const int32_t s = l.slot_of[e];
+        if (s >= 0) {
+            l.ref[s] = 1;
+            l.pin[s] = l.epoch;
+            st.n_hits++;
+        }
+    }
+    for (int32_t e : distinct) {
+        if (l.slot_of[e] >= 0) {
+            continue;
+        }
+        const int32_t s = l.n_free > 0 ? free_slot(l) : clock_victim(l);
+        if (assign(*this, l, e, s, st)) {
+            out.fills.push_back({ e, s });
+        }
+        l.pin[s] = l.epoch;
+        st.n_misses++;
+    }
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            out.slot_ids[t * n_used + j] = l.slot_of[ids[t * stride + j]];
+        }
+    }
+
+    // one upload per fill: sorted by slot, runs of consecutive experts into consecutive slots are one copy
+    std::vector<llama_moe_cache_fill> by_slot = out.fills;
+    std::sort(by_slot.begin(), by_slot.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
+        return a.slot < b.slot;
+    });
+    st.bytes_uploaded += out.fills.size() * l.expert_bytes;
+    st.n_copy_calls   += n_runs(by_slot) * l.n_tensors;
+    return true;
+}
+
+// routed tokens per expert of this ubatch into l.cnt
+static void count_routed(llama_moe_cache_layer & l, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride) {
+    std::fill(l.cnt.begin(), l.cnt.end(), 0);
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            l.cnt[routed(l, ids, t, j, stride)]++;
+        }
+    }
+}
+
+void llama_moe_cache::prompt_stage(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        bool stage_all, llama_moe_cache_prompt_plan & out) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+    out.reads.clear();
+    out.uploads.clear();
+    out.admits.clear();
+    out.evicted.clear();
+    st.n_ubatches++;
+
+    MOE_CACHE_ASSERT(stage_all || ids != nullptr);
+    if (!stage_all) {
+        count_routed(l, ids, n_tokens, n_used, stride);
+    }
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        if (!stage_all && l.cnt[e] == 0) {
+            continue;
+        }
+        const int32_t s = l.slot_of[e];
+        if (s >= 0) {
+            out.reads.push_back({ e, s });
+        } else {
+            out.uploads.push_back(e);
+        }
+    }
+    st.n_hits         += out.reads.size();
+    st.n_misses       += out.uploads.size();
+    st.bytes_uploaded += out.uploads.size() * l.expert_bytes;
+    st.bytes_copied   += out.reads.size() * l.expert_bytes;
+    st.n_copy_calls   += (n_runs(out.reads) + n_runs(out.uploads)) * l.n_tensors;
+}
+
+void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        llama_moe_cache_prompt_plan & out) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+    out.admits.clear();
+    out.evicted.clear();
+
+    count_routed(l, ids, n_tokens, n_used, stride);
+    // halving keeps the score a recent count, so an expert that a prompt stops routing loses its place in a few
+    // ubatches, while one ubatch's noise does not move the set
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        l.score[e] = l.score[e] / 2 + l.cnt[e];
+    }
+    for (int32_t s = 0; s < l.n_slots; s++) {
+        if (l.expert_of[s] >= 0 && l.cnt[l.expert_of[s]] > 0) {
+            l.ref[s] = 1;
+        }
+    }
+
+    // admits: routed uploads, highest score first (ties: lower id), into free slots, else over the resident this
+    // ubatch does not route with the lowest score (ties: lower slot) if the newcomer's score is more than twice it.
+    // A resident this ubatch routes is never replaced, which is what keeps the set stable under a large ubatch.
+    std::vector<int32_t> & cand = scratch;
+    cand.clear();
+    for (int32_t e : out.uploads) {
+        if (l.cnt[e] > 0 && l.slot_of[e] < 0) {
+            cand.push_back(e);
+        }
+    }
+    std::sort(cand.begin(), cand.end(), [&l](int32_t a, int32_t b) {
+        return l.score[a] != l.score[b] ? l.score[a] > l.score[b] : a < b;
+    });
+    next_epoch(l);
+    for (int32_t e : cand) {
+        int32_t s = -1;
+        if (l.n_free > 0) {
+            s = free_slot(l);
+        } else {
+            for (int32_t i = 0; i < l.n_slots; i++) {
+                const int32_t v = l.expert_of[i];
+                if (l.pin[i] != l.epoch && l.cnt[v] == 0 && (s < 0 || l.score[v] < l.score[l.expert_of[s]])) {
+                    s = i;
+                }
+            }
+            // candidates come in falling score: once one cannot replace the weakest resident, none after it can
+            if (s < 0 || l.score[e] <= 2 * (uint64_t) l.score[l.expert_of[s]]) {
+                break;
+            }
+        }
+        const int32_t old = l.expert_of[s];
+        if (assign(*this, l, e, s, st)) {
+            out.admits.push_back({ e, s });
+            out.evicted.push_back(old);
+        }
+        l.pin[s] = l.epoch;
+    }
+
+    st.bytes_copied += out.admits.size() * l.expert_bytes;
+    std::vector<llama_moe_cache_fill> admits = out.admits;
+    std::sort(admits.begin(), admits.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
+        return a.expert < b.expert;
+    });
+    st.n_copy_calls += n_runs(admits) * l.n_tensors;
+}
+
+void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        bool stage_all, llama_moe_cache_prompt_plan & out) {
+    prompt_stage(il, ids, n_tokens, n_used, stride, stage_all, out);
+    prompt_admit(il, ids, n_tokens, n_used, stride, out);
+}
+
+llama_moe_cache_stats llama_moe_cache::get_stats(int32_t il, llama_moe_cache_phase phase) const {
+    MOE_CACHE_ASSERT(phase >= 0 && phase < LLAMA_MOE_CACHE_PHASE_COUNT);
+    llama_moe_cache_stats r;
+    for (const llama_moe_cache_layer & l : layers) {
+        if (il < 0 || l.il == il) {
+            r.add(l.stats[phase]);
+        }
+    }
+    return r;
+}
+
+void llama_moe_cache::reset_stats() {
+    for (llama_moe_cache_layer & l : layers) {
+        for (llama_moe_cache_stats & st : l.stats) {
+            st = llama_moe_cache_stats();
+        }
+    }
+}
+
+void llama_moe_cache::clear() {
+    for (llama_moe_cache_layer & l : layers) {
+        std::fill(l.slot_of.begin(), l.slot_of.end(), -1);
+        std::fill(l.expert_of.begin(), l.expert_of.end(), -1);
+        std::fill(l.ref.begin(), l.ref.end(), 0);
+        std::fill(l.score.begin(), l.score.end(), 0);
+        l.hand   = 0;
+        l.n_free = l.n_slots;
+    }
+}
+
+bool llama_moe_cache::check(std::string & why) const {
+    char buf[160];
+    for (const llama_moe_cache_layer & l : layers) {
+        int32_t n_free = 0;
+        for (int32_t s = 0; s < l.n_slots; s++) {
+            const int32_t e = l.expert_of[s];
+            if (e < -1 || e >= l.n_expert || (e >= 0 && l.slot_of[e] != s)) {
+                snprintf(buf, sizeof(buf), "layer %d: slot %d holds expert %d, whose slot is %d", l.il, s, e,
+                        e >= 0 && e < l.n_expert ? l.slot_of[e] : -2);
+                why = buf;
+                return false;
+            }
+            n_free += e < 0;
+        }
+        for (int32_t e = 0; e < l.n_expert; e++) {
+            const int32_t s = l.slot_of[e];
+            if (s < -1 || s >= l.n_slots || (s >= 0 && l.expert_of[s] != e)) {
+                snprintf(buf, sizeof(buf), "layer %d: expert %d maps to slot %d, which does not hold it", l.il, e, s);
+                why = buf;
+                return false;
+            }
+        }
+        if (n_free != l.n_free) {
+            snprintf(buf, sizeof(buf), "layer %d: %d free slots counted as %d", l.il, n_free, l.n_free);
+            why = buf;
+            return false;
+        }
+    }
+    return true;
+}

@@ -1,0 +1,791 @@
+// test_moe_cache.cpp: the MoE expert cache's host-side bookkeeping (native/src/llama-moe-cache.cpp), on its own:
+// no llama.cpp build, just a C++17 compiler.
+//
+//   c++ -std=c++17 -O2 -I native/src native/src/llama-moe-cache.cpp tests/native/test_moe_cache.cpp -o t
+//   t CASE    CASE: one of the names in main(), or "all"
+//   t sim     the hit-rate table of results/cache-planner.md
+//
+// Routing is drawn like the synthetic models' (pyllama_moe/synth/tensors.py): per token, router logits N(0, 1)
+// plus skew * z_e, z_e fixed per expert from a centred, standardised exponential; the top-k of them. The
+// generator is mt19937_64 with its own Box-Muller, so every platform draws the same experts.
+//
+// Most cases keep a simulated bank (the expert each slot really holds, changed only by the fills and admits a plan
+// returns) and check every read against the routing: a plan that maps an expert to a slot it never filled fails.
+// Prints "ok CASE: ..." and exits 0, or "FAIL CASE: ..." and exits 1.
+#include "llama-moe-cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <random>
+#include <string>
+#include <vector>
+
+static const size_t MiB = 1024 * 1024;
+
+struct failure {
+    std::string why;
+};
+
+#define CHECK(cond, ...)                                   \
+    do {                                                   \
+        if (!(cond)) {                                     \
+            char buf_[512];                                \
+            snprintf(buf_, sizeof(buf_), __VA_ARGS__);     \
+            throw failure{ std::string(#cond) + ": " + buf_ }; \
+        }                                                  \
+    } while (0)
+
+//
+// routing
+//
+
+struct router {
+    std::mt19937_64 rng;
+    int32_t n_expert;
+    int32_t n_used;
+    std::vector<double> bias;
+
+    router(int32_t n_expert, int32_t n_used, double skew, uint64_t seed) : rng(seed), n_expert(n_expert), n_used(n_used) {
+        // a centred, standardised exponential: a few experts far more popular than the rest
+        double mean = 0;
+        for (int32_t e = 0; e < n_expert; e++) {
+            bias.push_back(-std::log(uniform()));
+            mean += bias.back() / n_expert;
+        }
+        double var = 0;
+        for (double b : bias) {
+            var += (b - mean) * (b - mean) / n_expert;
+        }
+        for (double & b : bias) {
+            b = var > 0 ? skew * (b - mean) / std::sqrt(var) : 0.0;
+        }
+    }
+
+    double uniform() {
+        return ((rng() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+    }
+
+    double normal() {
+        return std::sqrt(-2.0 * std::log(uniform())) * std::cos(2.0 * M_PI * uniform());
+    }
+
+    // [n_tokens * n_used], token-major
+    std::vector<int32_t> route(int64_t n_tokens) {
+        std::vector<int32_t> ids;
+        std::vector<std::pair<double, int32_t>> g(n_expert);
+        for (int64_t t = 0; t < n_tokens; t++) {
+            for (int32_t e = 0; e < n_expert; e++) {
+                g[e] = { normal() + bias[e], e };
+            }
+            std::partial_sort(g.begin(), g.begin() + n_used, g.end(), [](const auto & a, const auto & b) {
+                return a.first > b.first;
+            });
+            for (int32_t j = 0; j < n_used; j++) {
+                ids.push_back(g[j].second);
+            }
+        }
+        return ids;
+    }
+};
+
+static llama_moe_cache one_layer(int32_t n_expert, int32_t n_slots, size_t expert_bytes = MiB, int32_t n_tensors = 3) {
+    std::vector<llama_moe_cache_layer_desc> d = { { 0, n_expert, expert_bytes, 0, n_tensors } };
+    llama_moe_cache_sizing s = llama_moe_cache_size_banks(n_slots * expert_bytes, d);
+    CHECK(s.n_slots[0] == n_slots, "sized %d slots for %d", s.n_slots[0], n_slots);
+    return llama_moe_cache(d, s);
+}
+
+// what each slot of each layer really holds; -2: never written
+struct bank {
+    std::vector<std::vector<int32_t>> held;
+
+    explicit bank(const llama_moe_cache & c) {
+        for (const llama_moe_cache_layer & l : c.layers) {
+            held.push_back(std::vector<int32_t>(l.n_slots, -2));
+        }
+    }
+
+    std::vector<int32_t> & of(const llama_moe_cache & c, int32_t il) {
+        return held[c.layer_index[il]];
+    }
+
+    // applies a decode plan and checks every routed read
+    void decode(const llama_moe_cache & c, int32_t il, const std::vector<int32_t> & ids, const llama_moe_cache_decode_plan & p) {
+        std::vector<int32_t> & h = of(c, il);
+        const llama_moe_cache_layer * l = c.layer(il);
+        for (const llama_moe_cache_fill & f : p.fills) {
+            h[f.slot] = f.expert;
+        }
+        CHECK(p.slot_ids.size() == ids.size(), "%zu slot ids for %zu ids", p.slot_ids.size(), ids.size());
+        for (size_t i = 0; i < ids.size(); i++) {
+            CHECK(p.slot_ids[i] >= 0 && p.slot_ids[i] < l->n_slots, "slot id %d of %d slots", p.slot_ids[i], l->n_slots);
+            if (!p.overflow) {
+                CHECK(h[p.slot_ids[i]] == ids[i], "layer %d read slot %d for expert %d: it holds %d", il, p.slot_ids[i],
+                        ids[i], h[p.slot_ids[i]]);
+            }
+        }
+    }
+
+    // applies a prompt plan: reads first (they must find their experts), then admits
+    void prompt(const llama_moe_cache & c, int32_t il, const llama_moe_cache_prompt_plan & p) {
+        std::vector<int32_t> & h = of(c, il);
+        for (const llama_moe_cache_fill & r : p.reads) {
+            CHECK(h[r.slot] == r.expert, "layer %d read expert %d from slot %d: it holds %d", il, r.expert, r.slot, h[r.slot]);
+        }
+        for (const llama_moe_cache_fill & a : p.admits) {
+            h[a.slot] = a.expert;
+        }
+    }
+};
+
+static void check_cache(const llama_moe_cache & c) {
+    std::string why;
+    CHECK(c.check(why), "%s", why.c_str());
+}
+
+//
+// sizing
+//
+
+static std::vector<llama_moe_cache_layer_desc> uniform_layers(int n, int32_t n_expert = 128, size_t eb = MiB) {
+    std::vector<llama_moe_cache_layer_desc> d;
+    for (int i = 0; i < n; i++) {
+        d.push_back({ i, n_expert, eb, 0, 3 });
+    }
+    return d;
+}
+
+// no layer could take one more slot: the budget is used as far as the rule allows
+static void check_maximal(const std::vector<llama_moe_cache_layer_desc> & d, const llama_moe_cache_sizing & s) {
+    size_t used = 0;
+    for (size_t i = 0; i < d.size(); i++) {
+        if (s.n_slots[i] > 0) {
+            used += d[i].overhead_bytes + s.n_slots[i] * d[i].expert_bytes;
+        }
+    }
+    CHECK(used == s.bytes_used && used <= s.budget, "used %zu reported %zu budget %zu", used, s.bytes_used, s.budget);
+    for (size_t i = 0; i < d.size(); i++) {
+        if (s.n_slots[i] > 0 && s.n_slots[i] < d[i].n_expert) {
+            CHECK(used + d[i].expert_bytes > s.budget, "layer %zu could take another slot", i);
+        }
+    }
+}
+
+static void sizing_uniform() {
+    auto d = uniform_layers(4);
+    auto s = llama_moe_cache_size_banks(100 * MiB, d);
+    for (int i = 0; i < 4; i++) {
+        CHECK(s.n_slots[i] == 25, "layer %d: %d slots", i, s.n_slots[i]);
+    }
+    CHECK(s.bytes_used == 100 * MiB && s.n_layers == 4 && s.reason.empty(), "used %zu, %d layers, %s", s.bytes_used,
+            s.n_layers, s.reason.c_str());
+    check_maximal(d, s);
+}
+
+static void sizing_remainder() {
+    auto d = uniform_layers(4);
+    // 102 slots and half of one: 26, 26, 25, 25, the half unused
+    auto s = llama_moe_cache_size_banks(102 * MiB + MiB / 2, d);
+    const int32_t want[4] = { 26, 26, 25, 25 };
+    for (int i = 0; i < 4; i++) {
+        CHECK(s.n_slots[i] == want[i], "layer %d: %d slots, want %d", i, s.n_slots[i], want[i]);
+    }
+    CHECK(s.bytes_used == 102 * MiB, "used %zu", s.bytes_used);
+    check_maximal(d, s);
+}
+
+static void sizing_cap() {
+    auto d = uniform_layers(3, 64);
+    auto s = llama_moe_cache_size_banks(1000 * MiB, d);
+    for (int i = 0; i < 3; i++) {
+        CHECK(s.n_slots[i] == 64, "layer %d: %d slots", i, s.n_slots[i]);
+    }
+    CHECK(s.bytes_used == 192 * MiB, "used %zu", s.bytes_used);
+    // a layer with fewer experts is capped and its share goes to the others
+    d[1].n_expert = 8;
+    s = llama_moe_cache_size_banks(100 * MiB, d);
+    CHECK(s.n_slots[0] == 46 && s.n_slots[1] == 8 && s.n_slots[2] == 46, "%d %d %d", s.n_slots[0], s.n_slots[1], s.n_slots[2]);
+    check_maximal(d, s);
+}
+
+static void sizing_too_small() {
+    auto d = uniform_layers(4);
+    auto s = llama_moe_cache_size_banks(3 * MiB + MiB / 2, d);
+    CHECK(s.n_layers == 0 && s.bytes_used == 0 && !s.reason.empty(), "%d layers, %zu bytes", s.n_layers, s.bytes_used);
+    for (int32_t n : s.n_slots) {
+        CHECK(n == 0, "%d slots", n);
+    }
+    CHECK(s.reason.find("below 1 slot in each of the 4 MoE layers") != std::string::npos, "%s", s.reason.c_str());
+    // min_slots: fewer than a token's experts is no cache
+    s = llama_moe_cache_size_banks(31 * MiB, d, 8);
+    CHECK(s.n_layers == 0 && s.reason.find("below 8 slots") != std::string::npos, "%s", s.reason.c_str());
+    s = llama_moe_cache_size_banks(32 * MiB, d, 8);
+    CHECK(s.n_layers == 4 && s.n_slots[3] == 8, "%d layers, %d slots", s.n_layers, s.n_slots[3]);
+    // no MoE layer on the host
+    s = llama_moe_cache_size_banks(1000 * MiB, { { 0, 0, 0, 0, 0 }, { 1, 128, 0, 0, 3 } });
+    CHECK(s.n_layers == 0 && s.reason == "no MoE layer has its experts on the host", "%s", s.reason.c_str());
+}
+
+static void sizing_hetero() {
+    // a dense layer first, two layers of 1 MiB experts, one of 2 MiB experts, each with 64 KiB of slot map and state
+    std::vector<llama_moe_cache_layer_desc> d = {
+        { 0, 0,   0,       0,         0 },
+        { 1, 128, MiB,     MiB / 16,  3 },
+        { 2, 128, 2 * MiB, MiB / 16,  2 },
+        { 3, 128, MiB,     MiB / 16,  3 },
+    };
+    // overheads 3/16 MiB; 40 MiB per slot each: 40 * 4 = 160 MiB; 2 MiB left: one more slot in layers 1 and 3 (the
+    // 2 MiB layer in between does not fit after layer 1's)
+    auto s = llama_moe_cache_size_banks(162 * MiB + 3 * MiB / 16, d);
+    CHECK(s.n_slots[0] == 0 && s.n_slots[1] == 41 && s.n_slots[2] == 40 && s.n_slots[3] == 41, "%d %d %d %d",
+            s.n_slots[0], s.n_slots[1], s.n_slots[2], s.n_slots[3]);
+    CHECK(s.n_layers == 3 && s.bytes_used == 162 * MiB + 3 * MiB / 16, "%d layers, %zu", s.n_layers, s.bytes_used);
+    CHECK(s.bytes[0] == 0 && s.bytes[1] == 41 * MiB + MiB / 16 && s.bytes[2] == 80 * MiB + MiB / 16 &&
+            s.bytes[1] + s.bytes[2] + s.bytes[3] == s.bytes_used, "per-layer bytes %zu %zu %zu", s.bytes[1], s.bytes[2], s.bytes[3]);
+    check_maximal(d, s);
+    // the overheads count: without them one slot per layer (4 MiB) fits, with them it does not
+    s = llama_moe_cache_size_banks(4 * MiB, d);
+    CHECK(s.n_layers == 0, "%d layers", s.n_layers);
+    // the cache builds only the layers with slots, found by model layer index
+    s = llama_moe_cache_size_banks(162 * MiB + 3 * MiB / 16, d);
+    llama_moe_cache c(d, s);
+    CHECK(c.n_layers() == 3 && c.layer(0) == nullptr && c.layer(2)->n_slots == 40 && c.layer(7) == nullptr, "%d", c.n_layers());
+}
+
+//
+// decode
+//
+
+static void clock_keeps_same_ubatch() {
+    llama_moe_cache c = one_layer(16, 4);
+    bank b(c);
+    llama_moe_cache_decode_plan p;
+    std::vector<int32_t> ids = { 0, 1, 2, 3 };
+    CHECK(c.plan_decode(0, ids.data(), 1, 4, 4, p) && p.fills.size() == 4, "%zu fills", p.fills.size());
+    b.decode(c, 0, ids, p);
+    // every bit is set: the hand clears them all, passes over 0, 1, 2 (used by this ubatch) and takes 3
+    ids = { 4, 0, 1, 2 };
+    CHECK(c.plan_decode(0, ids.data(), 1, 4, 4, p) && p.fills.size() == 1, "%zu fills", p.fills.size());
+    CHECK(p.fills[0].expert == 4 && p.fills[0].slot == 3, "expert %d into slot %d", p.fills[0].expert, p.fills[0].slot);
+    b.decode(c, 0, ids, p);
+    // the hand is at 0 with every bit clear but 3's (filled) and 0-2's (hits): 5 takes 0 after clearing... all set,
+    // so a full turn clears them, then the first slot not used by {5, 4, 6, 7} is 0
+    ids = { 5, 4, 6, 7 };
+    CHECK(c.plan_decode(0, ids.data(), 1, 4, 4, p) && p.fills.size() == 3, "%zu fills", p.fills.size());
+    for (const llama_moe_cache_fill & f : p.fills) {
+        CHECK(f.slot != 3, "expert %d evicted expert 4, which this ubatch reads", f.expert);
+    }
+    b.decode(c, 0, ids, p);
+    check_cache(c);
+
+    // property: over many skewed ubatches, no fill takes the slot of an expert the same ubatch routes
+    router r(64, 8, 0.5, 7);
+    llama_moe_cache c2 = one_layer(64, 24);
+    bank b2(c2);
+    for (int it = 0; it < 3000; it++) {
+        const int64_t n_tokens = 1 + it % 3;
+        std::vector<int32_t> ids2 = r.route(n_tokens);
+        std::vector<int32_t> before = c2.layer(0)->expert_of;
+        if (!c2.plan_decode(0, ids2.data(), n_tokens, 8, 8, p)) {
+            continue;
+        }
+        for (const llama_moe_cache_fill & f : p.fills) {
+            const int32_t old = before[f.slot];
+            CHECK(old < 0 || std::find(ids2.begin(), ids2.end(), old) == ids2.end(),
+                    "ubatch %d: expert %d took the slot of expert %d, which it routes", it, f.expert, old);
+        }
+        b2.decode(c2, 0, ids2, p);
+    }
+    check_cache(c2);
+}
+
+static void overflow() {
+    llama_moe_cache c = one_layer(16, 4);
+    llama_moe_cache_decode_plan p;
+    std::vector<int32_t> ids = { 0, 1, 2, 3 };
+    c.plan_decode(0, ids.data(), 1, 4, 4, p);
+    const llama_moe_cache_layer before = *c.layer(0);
+    // two tokens, five distinct experts for four slots
+    ids = { 0, 9, 2, 3, 4, 0, 1, 2 };
+    CHECK(!c.plan_decode(0, ids.data(), 2, 4, 4, p) && p.overflow && p.n_distinct == 6, "overflow %d, %d distinct",
+            p.overflow, p.n_distinct);
+    CHECK(p.fills.empty() && p.slot_ids.size() == 8, "%zu fills", p.fills.size());
+    for (int32_t s : p.slot_ids) {
+        CHECK(s == 0, "slot id %d on overflow", s);
+    }
+    const llama_moe_cache_layer & after = *c.layer(0);
+    CHECK(after.slot_of == before.slot_of && after.expert_of == before.expert_of && after.ref == before.ref &&
+            after.hand == before.hand, "the overflow changed the slot map");
+    const llama_moe_cache_stats st = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    // the staging path uploads the six routed experts: 0-4 in one run, 9 in another, three tensors each
+    CHECK(st.n_overflow == 1 && st.n_misses == 4 + 6 && st.bytes_uploaded == 10 * MiB && st.n_copy_calls == 3 + 2 * 3,
+            "overflow %llu misses %llu bytes %llu calls %llu", (unsigned long long) st.n_overflow,
+            (unsigned long long) st.n_misses, (unsigned long long) st.bytes_uploaded, (unsigned long long) st.n_copy_calls);
+}
+
+// a plan and the state it leaves, summarised: equal for equal routing
+static uint64_t mix(uint64_t h, int64_t v) {
+    return (h ^ (uint64_t) v) * 0x100000001b3ull;
+}
+
+static uint64_t run_random(uint64_t seed, double skew, int32_t n_slots, bool with_bank) {
+    router r(128, 8, skew, seed);
+    llama_moe_cache c = one_layer(128, n_slots);
+    bank b(c);
+    llama_moe_cache_decode_plan p;
+    uint64_t h = 0xcbf29ce484222325ull;
+    std::mt19937_64 sizes(seed + 1);
+    for (int it = 0; it < 2000; it++) {
+        // mostly single tokens, some small batches, a few that cannot fit
+        const int64_t n_tokens = it % 50 == 0 ? 32 : 1 + (int64_t) (sizes() % 4);
+        std::vector<int32_t> ids = r.route(n_tokens);
+        const bool ok = c.plan_decode(0, ids.data(), n_tokens, 8, 8, p);
+        if (with_bank) {
+            b.decode(c, 0, ids, p);
+        }
+        h = mix(h, ok);
+        for (int32_t s : p.slot_ids) {
+            h = mix(h, s);
+        }
+        for (const llama_moe_cache_fill & f : p.fills) {
+            h = mix(mix(h, f.expert), f.slot);
+        }
+    }
+    check_cache(c);
+    return h;
+}
+
+static void ids_in_range() {
+    for (double skew : { 0.0, 0.5, 2.0 }) {
+        for (int32_t n_slots : { 8, 20, 64, 127, 128 }) {
+            const uint64_t h = run_random(11 + n_slots, skew, n_slots, true);
+            // deterministic: the same routing gives the same plans and state
+            CHECK(h == run_random(11 + n_slots, skew, n_slots, false), "skew %g, %d slots: two runs differ", skew, n_slots);
+        }
+    }
+    // a strided ids view (a row of argsort over n_expert, of which the first n_used are the top-k)
+    llama_moe_cache c = one_layer(16, 8);
+    bank b(c);
+    const int32_t rows[2][16] = { { 3, 5, 7, 1 }, { 5, 9, 2, 3 } };
+    llama_moe_cache_decode_plan p;
+    CHECK(c.plan_decode(0, &rows[0][0], 2, 4, 16, p) && p.n_distinct == 6, "%d distinct", p.n_distinct);
+    b.decode(c, 0, { 3, 5, 7, 1, 5, 9, 2, 3 }, p);
+}
+
+static void uniform_hit_rate() {
+    // iid uniform routing: the cache holds n_slots of n_expert experts, each a token's pick with the same chance
+    router r(128, 8, 0.0, 3);
+    llama_moe_cache c = one_layer(128, 64);
+    llama_moe_cache_decode_plan p;
+    for (int it = 0; it < 200; it++) {
+        std::vector<int32_t> ids = r.route(1);
+        c.plan_decode(0, ids.data(), 1, 8, 8, p);
+    }
+    c.reset_stats();
+    for (int it = 0; it < 4000; it++) {
+        std::vector<int32_t> ids = r.route(1);
+        c.plan_decode(0, ids.data(), 1, 8, 8, p);
+    }
+    const llama_moe_cache_stats st = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    const double rate = (double) st.n_hits / (st.n_hits + st.n_misses);
+    CHECK(std::fabs(rate - 0.5) < 0.02, "hit rate %.4f, want 0.5", rate);
+}
+
+//
+// prompts
+//
+
+// what a plain LRU prompt planner would upload: every routed expert in id order, each miss admitted over the
+// least recently used slot, whatever this ubatch still needs
+struct plain_lru {
+    int32_t n_slots;
+    std::list<int32_t> order; // most recent first
+    uint64_t n_uploads = 0;
+
+    uint64_t ubatch(const std::vector<int32_t> & ids, int32_t n_expert) {
+        std::vector<bool> routed(n_expert, false);
+        for (int32_t e : ids) {
+            routed[e] = true;
+        }
+        uint64_t n = 0;
+        for (int32_t e = 0; e < n_expert; e++) {
+            if (!routed[e]) {
+                continue;
+            }
+            auto it = std::find(order.begin(), order.end(), e);
+            if (it != order.end()) {
+                order.erase(it);
+            } else {
+                n++;
+                if ((int32_t) order.size() == n_slots) {
+                    order.pop_back();
+                }
+            }
+            order.push_front(e);
+        }
+        n_uploads += n;
+        return n;
+    }
+};
+
+static void prompt_uploads_once() {
+    // a prompt of 16 ubatches of 512 tokens whose experts (96 of 128: the router never picks the others) fit in 96
+    // slots: each of them is uploaded once over the whole prompt
+    for (bool stage_all : { false, true }) {
+        const int32_t n_slots = stage_all ? 128 : 96;
+        router r(96, 8, 0.5, 5);
+        llama_moe_cache c = one_layer(128, n_slots);
+        bank b(c);
+        llama_moe_cache_prompt_plan p;
+        std::vector<int32_t> uploads(128, 0);
+        for (int ub = 0; ub < 16; ub++) {
+            std::vector<int32_t> ids = r.route(512);
+            c.plan_prompt(0, ids.data(), 512, 8, 8, stage_all, p);
+            b.prompt(c, 0, p);
+            for (int32_t e : p.uploads) {
+                uploads[e]++;
+            }
+        }
+        // stage_all stages all 128, and the 32 the prompt never routes stay uploads (a prefetch ahead of the router
+        // cannot skip them) but they are never admitted: they come once per ubatch
+        for (int32_t e = 0; e < 96; e++) {
+            CHECK(uploads[e] == 1, "stage_all %d: expert %d uploaded %d times", stage_all, e, uploads[e]);
+        }
+        for (int32_t e = 96; e < 128; e++) {
+            CHECK(uploads[e] == (stage_all ? 16 : 0), "stage_all %d: expert %d uploaded %d times", stage_all, e, uploads[e]);
+        }
+        check_cache(c);
+    }
+}
+
+static void prompt_no_thrash() {
+    // 128 experts, all routed by every 512-token ubatch (skew 0), 96 slots: after the first ubatch the 96 residents
+    // are read from the bank and only the other 32 are uploaded, where a plain LRU sends all 128 again every time
+    router r(128, 8, 0.0, 9);
+    llama_moe_cache c = one_layer(128, 96);
+    bank b(c);
+    plain_lru lru{ 96, {} };
+    llama_moe_cache_prompt_plan p;
+    uint64_t ours = 0;
+    for (int ub = 0; ub < 8; ub++) {
+        std::vector<int32_t> ids = r.route(512);
+        c.plan_prompt(0, ids.data(), 512, 8, 8, false, p);
+        b.prompt(c, 0, p);
+        const uint64_t lru_n = lru.ubatch(ids, 128);
+        ours += p.uploads.size();
+        const size_t routed = p.reads.size() + p.uploads.size();
+        if (ub > 0) {
+            CHECK(p.reads.size() == 96 && p.uploads.size() == routed - 96, "ubatch %d: %zu reads, %zu uploads of %zu routed",
+                    ub, p.reads.size(), p.uploads.size(), routed);
+            // the point of the rule: this bound fails for LRU (a scan evicts what the same ubatch reads next)
+            CHECK(lru_n > routed - 96, "ubatch %d: LRU uploaded %llu", ub, (unsigned long long) lru_n);
+        }
+    }
+    // every ubatch routes all 128: 128 + 7 x 32 against 8 x 128
+    CHECK(ours == 128 + 7 * 32 && lru.n_uploads == 8 * 128, "LRU %llu uploads, ours %llu", (unsigned long long) lru.n_uploads,
+            (unsigned long long) ours);
+}
+
+static void prompt_hysteresis() {
+    // 64 slots, a prompt whose routing moves from experts 0-63 to 64-127: residents the new ubatches do not route
+    // lose their scores by halves and are replaced; one ubatch that misses a hot resident does not replace it
+    llama_moe_cache c = one_layer(128, 64);
+    bank b(c);
+    llama_moe_cache_prompt_plan p;
+    auto block = [](int32_t first, int64_t n_tokens) {
+        std::vector<int32_t> ids;
+        for (int64_t t = 0; t < n_tokens; t++) {
+            for (int32_t j = 0; j < 8; j++) {
+                ids.push_back(first + (int32_t) ((t * 8 + j) % 64));
+            }
+        }
+        return ids;
+    };
+    for (int ub = 0; ub < 4; ub++) {
+        auto ids = block(0, 512);
+        c.plan_prompt(0, ids.data(), 512, 8, 8, false, p);
+        b.prompt(c, 0, p);
+    }
+    // experts 0-63 resident, score 64 * (1 + 1/2 + 1/4 + 1/8) = 120; a ubatch of 8 tokens on 64-127 (score 1 each)
+    // is a blip: nothing is replaced
+    auto blip = block(64, 8);
+    c.plan_prompt(0, blip.data(), 8, 8, 8, false, p);
+    b.prompt(c, 0, p);
+    CHECK(p.admits.empty() && p.uploads.size() == 64, "%zu admits on a blip", p.admits.size());
+    // residents 60 after the blip; the new experts routed 16 tokens each per ubatch: 16 <= 2 x 30, 24 <= 2 x 15, then
+    // 28 > 2 x 7: the set moves at the third ubatch of the new routing, and the fourth uploads nothing
+    int n_ub = 0;
+    for (; n_ub < 16; n_ub++) {
+        auto ids = block(64, 128);
+        c.plan_prompt(0, ids.data(), 128, 8, 8, false, p);
+        b.prompt(c, 0, p);
+        CHECK(p.admits.size() == (n_ub == 2 ? 64 : 0), "ubatch %d: %zu admits", n_ub, p.admits.size());
+        if (p.uploads.empty()) {
+            break;
+        }
+    }
+    CHECK(n_ub == 3, "%d ubatches to move the set", n_ub);
+    const llama_moe_cache_layer * l = c.layer(0);
+    for (int32_t e = 64; e < 128; e++) {
+        CHECK(l->slot_of[e] >= 0, "expert %d not resident", e);
+    }
+    check_cache(c);
+}
+
+static void prompt_two_steps() {
+    // stage ahead of the router (ids unknown), admit after it: the same plans and state as plan_prompt with the ids
+    router r(128, 8, 0.5, 21);
+    llama_moe_cache one = one_layer(128, 80);
+    llama_moe_cache two = one_layer(128, 80);
+    bank b(two);
+    llama_moe_cache_prompt_plan p1;
+    llama_moe_cache_prompt_plan p2;
+    for (int ub = 0; ub < 6; ub++) {
+        const int64_t n_tokens = ub == 3 ? 16 : 512; // a short one: some residents unrouted
+        std::vector<int32_t> ids = r.route(n_tokens);
+        one.plan_prompt(0, ids.data(), n_tokens, 8, 8, true, p1);
+        two.prompt_stage(0, nullptr, 0, 8, 8, true, p2);
+        // staged ahead: every resident read, every other expert uploaded
+        CHECK(p2.reads.size() == (size_t) (80 - two.layer(0)->n_free) && p2.reads.size() + p2.uploads.size() == 128 &&
+                p2.admits.empty(), "ubatch %d: %zu reads, %zu uploads", ub, p2.reads.size(), p2.uploads.size());
+        two.prompt_admit(0, ids.data(), n_tokens, 8, 8, p2);
+        b.prompt(two, 0, p2);
+        CHECK(p1.reads.size() == p2.reads.size() && p1.uploads == p2.uploads && p1.evicted == p2.evicted &&
+                p1.admits.size() == p2.admits.size(), "ubatch %d: the two forms differ", ub);
+        for (size_t i = 0; i < p1.admits.size(); i++) {
+            CHECK(p1.admits[i].expert == p2.admits[i].expert && p1.admits[i].slot == p2.admits[i].slot, "ubatch %d admit %zu", ub, i);
+        }
+        CHECK(one.layer(0)->expert_of == two.layer(0)->expert_of && one.layer(0)->ref == two.layer(0)->ref, "ubatch %d: states differ", ub);
+    }
+    const llama_moe_cache_stats a = one.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    const llama_moe_cache_stats c = two.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    CHECK(a.n_ubatches == 6 && a.n_ubatches == c.n_ubatches && a.n_hits == c.n_hits && a.bytes_uploaded == c.bytes_uploaded &&
+            a.bytes_copied == c.bytes_copied && a.n_copy_calls == c.n_copy_calls && a.n_fills == c.n_fills, "stats differ");
+    check_cache(two);
+}
+
+//
+// stats and the debug knob
+//
+
+static void stats_arithmetic() {
+    std::vector<llama_moe_cache_layer_desc> d = { { 0, 16, MiB, 0, 3 }, { 1, 16, 2 * MiB, 0, 2 } };
+    llama_moe_cache_sizing s = llama_moe_cache_size_banks(12 * MiB, d);
+    CHECK(s.n_slots[0] == 4 && s.n_slots[1] == 4, "%d %d", s.n_slots[0], s.n_slots[1]);
+    llama_moe_cache c(d, s);
+    llama_moe_cache_decode_plan dp;
+    llama_moe_cache_prompt_plan pp;
+
+    // decode, layer 0: {4, 5} -> two misses into slots 0, 1 (one run: 3 calls); {5, 9} -> one hit, one miss (3 calls)
+    std::vector<int32_t> ids = { 4, 5 };
+    c.plan_decode(0, ids.data(), 1, 2, 2, dp);
+    ids = { 5, 9 };
+    c.plan_decode(0, ids.data(), 1, 2, 2, dp);
+    llama_moe_cache_stats st = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    CHECK(st.n_ubatches == 2 && st.n_hits == 1 && st.n_misses == 3 && st.n_fills == 3 && st.n_evictions == 0 &&
+            st.bytes_uploaded == 3 * MiB && st.bytes_copied == 0 && st.n_copy_calls == 6,
+            "ub %llu hits %llu misses %llu up %llu calls %llu", (unsigned long long) st.n_ubatches,
+            (unsigned long long) st.n_hits, (unsigned long long) st.n_misses, (unsigned long long) st.bytes_uploaded,
+            (unsigned long long) st.n_copy_calls);
+
+    // prompt, layer 1: routes 0-5 (6 tokens of top-1): 4 admitted into free slots 0-3, 2 uploads that stay out;
+    // then 0-7: 4 reads (one run), 4 uploads (one run), no admit (all residents routed)
+    ids = { 0, 1, 2, 3, 4, 5 };
+    c.plan_prompt(1, ids.data(), 6, 1, 1, false, pp);
+    CHECK(pp.reads.empty() && pp.uploads.size() == 6 && pp.admits.size() == 4, "%zu %zu %zu", pp.reads.size(),
+            pp.uploads.size(), pp.admits.size());
+    ids = { 0, 1, 2, 3, 4, 5, 6, 7 };
+    c.plan_prompt(1, ids.data(), 8, 1, 1, false, pp);
+    CHECK(pp.reads.size() == 4 && pp.uploads.size() == 4 && pp.admits.empty(), "%zu %zu %zu", pp.reads.size(),
+            pp.uploads.size(), pp.admits.size());
+    st = c.get_stats(1, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    // uploads 10 x 2 MiB; device copies: 4 admits + 4 reads; calls: (1 + 1 admit run) + (1 + 1), 2 tensors each
+    CHECK(st.n_ubatches == 2 && st.n_hits == 4 && st.n_misses == 10 && st.n_fills == 4 && st.bytes_uploaded == 20 * MiB &&
+            st.bytes_copied == 16 * MiB && st.n_copy_calls == 8, "hits %llu misses %llu up %llu copied %llu calls %llu",
+            (unsigned long long) st.n_hits, (unsigned long long) st.n_misses, (unsigned long long) st.bytes_uploaded,
+            (unsigned long long) st.bytes_copied, (unsigned long long) st.n_copy_calls);
+    // phases and layers apart; the sum over layers
+    CHECK(c.get_stats(1, LLAMA_MOE_CACHE_PHASE_DECODE).n_ubatches == 0 && c.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT).n_ubatches == 0,
+            "stats leaked across layer or phase");
+    CHECK(c.get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT).bytes_uploaded == 20 * MiB &&
+            c.get_stats(-1, LLAMA_MOE_CACHE_PHASE_DECODE).bytes_uploaded == 3 * MiB, "sum over layers");
+    c.reset_stats();
+    for (int ph = 0; ph < LLAMA_MOE_CACHE_PHASE_COUNT; ph++) {
+        st = c.get_stats(-1, (llama_moe_cache_phase) ph);
+        CHECK(st.n_ubatches == 0 && st.n_hits == 0 && st.bytes_uploaded == 0 && st.n_copy_calls == 0, "after reset");
+    }
+    // the residents are not stats: a reset keeps them
+    ids = { 4, 5 };
+    CHECK(c.plan_decode(0, ids.data(), 1, 2, 2, dp) && dp.fills.empty(), "%zu fills after reset", dp.fills.size());
+}
+
+static void skip_fill() {
+    // the same routing with and without the planted fault: the third fill is missing from the plan, the slot map is
+    // the same, and the simulated bank catches the stale read
+    llama_moe_cache good = one_layer(16, 4);
+    llama_moe_cache bad  = one_layer(16, 4);
+    bad.debug_skip_fill = 3;
+    bank bg(good);
+    bank bb(bad);
+    llama_moe_cache_decode_plan pg;
+    llama_moe_cache_decode_plan pb;
+    const std::vector<std::vector<int32_t>> steps = { { 0, 1 }, { 2, 3 }, { 4, 5 }, { 2, 4 } };
+    bool caught = false;
+    for (size_t i = 0; i < steps.size(); i++) {
+        good.plan_decode(0, steps[i].data(), 1, 2, 2, pg);
+        bad.plan_decode(0, steps[i].data(), 1, 2, 2, pb);
+        CHECK(pg.slot_ids == pb.slot_ids, "step %zu: the knob changed the slot ids", i);
+        CHECK(good.layer(0)->expert_of == bad.layer(0)->expert_of, "step %zu: the knob changed the slot map", i);
+        if (i == 1) {
+            CHECK(pg.fills.size() == 2 && pb.fills.size() == 1 && pb.fills[0].expert == pg.fills[1].expert,
+                    "step 1: %zu and %zu fills", pg.fills.size(), pb.fills.size());
+        } else {
+            CHECK(pg.fills.size() == pb.fills.size(), "step %zu: %zu and %zu fills", i, pg.fills.size(), pb.fills.size());
+        }
+        bg.decode(good, 0, steps[i], pg);
+        try {
+            bb.decode(bad, 0, steps[i], pb);
+        } catch (const failure &) {
+            caught = true;
+        }
+    }
+    CHECK(caught, "the stale slot was never read");
+    // prompt admits count as fills too
+    llama_moe_cache pc = one_layer(16, 4);
+    pc.debug_skip_fill = 2;
+    llama_moe_cache_prompt_plan pp;
+    std::vector<int32_t> ids = { 0, 1, 2, 3 };
+    pc.plan_prompt(0, ids.data(), 4, 1, 1, false, pp);
+    CHECK(pp.admits.size() == 3 && pc.layer(0)->n_free == 0, "%zu admits", pp.admits.size());
+}
+
+//
+// the table of results/cache-planner.md
+//
+
+static double top10_share(const std::vector<int32_t> & ids, int32_t n_expert) {
+    std::vector<int64_t> n(n_expert, 0);
+    for (int32_t e : ids) {
+        n[e]++;
+    }
+    std::sort(n.begin(), n.end(), std::greater<int64_t>());
+    const int32_t k = (n_expert + 9) / 10;
+    int64_t top = 0;
+    for (int32_t i = 0; i < k; i++) {
+        top += n[i];
+    }
+    return (double) top / ids.size();
+}
+
+static int sim() {
+    const int32_t n_expert = 128;
+    const int32_t n_used   = 8;
+    const int32_t n_tok    = 4000;
+    printf("decode: one layer of %d experts, top-%d, one token per ubatch, %d tokens after %d of warm-up (CLOCK)\n",
+            n_expert, n_used, n_tok, 500);
+    printf("prompt: 8 ubatches of 512 tokens, experts uploaded per ubatch after the first (mean), resident set vs plain LRU\n\n");
+    printf("| skew | top-10%% share | slots | slots / experts | decode hit rate, CLOCK | decode hit rate, LRU | prompt uploads/ub, resident set | prompt uploads/ub, plain LRU |\n");
+    printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (double skew : { 0.0, 0.5 }) {
+        for (int32_t n_slots : { 16, 32, 64, 96, 112, 128 }) {
+            router r(n_expert, n_used, skew, 42);
+            const double share = top10_share(r.route(512), n_expert);
+            llama_moe_cache c = one_layer(n_expert, n_slots);
+            llama_moe_cache_decode_plan p;
+            // LRU of one token per ubatch: the same as plain_lru, as slots >= top-k
+            plain_lru dlru{ n_slots, {} };
+            uint64_t lru_misses = 0;
+            for (int it = 0; it < 500 + n_tok; it++) {
+                if (it == 500) {
+                    c.reset_stats();
+                }
+                std::vector<int32_t> ids = r.route(1);
+                c.plan_decode(0, ids.data(), 1, n_used, n_used, p);
+                const uint64_t n = dlru.ubatch(ids, n_expert);
+                lru_misses += it >= 500 ? n : 0;
+            }
+            const llama_moe_cache_stats st = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+
+            router rp(n_expert, n_used, skew, 43);
+            llama_moe_cache cp = one_layer(n_expert, n_slots);
+            plain_lru lru{ n_slots, {} };
+            llama_moe_cache_prompt_plan pp;
+            uint64_t ours = 0;
+            uint64_t theirs = 0;
+            for (int ub = 0; ub < 8; ub++) {
+                std::vector<int32_t> ids = rp.route(512);
+                cp.plan_prompt(0, ids.data(), 512, n_used, n_used, false, pp);
+                const uint64_t n_lru = lru.ubatch(ids, n_expert);
+                if (ub > 0) {
+                    ours += pp.uploads.size();
+                    theirs += n_lru;
+                }
+            }
+            printf("| %.1f | %.3f | %d | %.3f | %.3f | %.3f | %.1f | %.1f |\n", skew, share, n_slots, (double) n_slots / n_expert,
+                    (double) st.n_hits / (st.n_hits + st.n_misses), 1.0 - (double) lru_misses / ((uint64_t) n_tok * n_used),
+                    ours / 7.0, theirs / 7.0);
+        }
+    }
+    return 0;
+}
+
+int main(int argc, char ** argv) {
+    struct test_case {
+        const char * name;
+        void (*run)();
+    };
+    static const test_case cases[] = {
+        { "sizing-uniform",          sizing_uniform },
+        { "sizing-remainder",        sizing_remainder },
+        { "sizing-cap",              sizing_cap },
+        { "sizing-too-small",        sizing_too_small },
+        { "sizing-hetero",           sizing_hetero },
+        { "clock-keeps-same-ubatch", clock_keeps_same_ubatch },
+        { "overflow",                overflow },
+        { "ids-in-range",            ids_in_range },
+        { "uniform-hit-rate",        uniform_hit_rate },
+        { "prompt-uploads-once",     prompt_uploads_once },
+        { "prompt-no-thrash",        prompt_no_thrash },
+        { "prompt-hysteresis",       prompt_hysteresis },
+        { "prompt-two-steps",        prompt_two_steps },
+        { "stats-arithmetic",        stats_arithmetic },
+        { "skip-fill",               skip_fill },
+    };
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s CASE|all|sim|list\n", argv[0]);
+        return 2;
+    }
+    const std::string want = argv[1];
+    if (want == "sim") {
+        return sim();
+    }
+    if (want == "list") {
+        for (const test_case & c : cases) {
+            printf("%s\n", c.name);
+        }
+        return 0;
+    }
+    int n_run = 0;
+    int n_fail = 0;
+    for (const test_case & c : cases) {
+        if (want != "all" && want != c.name) {
+            continue;
+        }
+        n_run++;
+        try {
+            c.run();
+            printf("ok %s\n", c.name);
+        } catch (const failure & f) {
+            printf("FAIL %s: %s\n", c.name, f.why.c_str());
+            n_fail++;
+        }
+    }
+    if (n_run == 0) {
+        fprintf(stderr, "unknown case %s\n", want.c_str());
+        return 2;
+    }
+    return n_fail ? 1 : 0;
+}
