@@ -229,6 +229,42 @@ def test_a_ring_between_one_and_two_splits_overlaps_part_of_each_upload(hazards,
     assert lookahead == 2 and ahead == 1.0 and calls == 4 and overlapping > 0, seen["4"]
 
 
+_CHAIN = re.compile(r"ok chain-dims: lookahead (\d+), staging (\d+) bytes \((.*)\), ahead ([\d.]+)")
+
+
+def _chain(hazards, dims: str, **env):
+    proc = _hazard(hazards, "chain-dims", HAZARD_CHAIN_DIMS=dims, **env)
+    got = _CHAIN.search(proc.stdout)
+    assert proc.returncode == 0 and got, proc.stdout + proc.stderr[-3000:]
+    return int(got.group(1)), int(got.group(2)), got.group(3), float(got.group(4))
+
+
+def test_a_ring_that_leaves_a_sliver_ahead_is_dropped(hazards):
+    """Cold read of the pieces, finding 3: two 3.998 MiB splits in a 4 MiB ring leave 2 KiB of each upload (0.05%)
+    ahead of the compute before it; the drop rule took any share above 0, so the prefetch stayed on ("at least 0%"),
+    holding its arena while every upload waited for that compute. Under an eighth it is dropped, with the share."""
+    lookahead, staging, why, ahead = _chain(hazards, "512,2047,512,2047,512", GGML_SCHED_PREFETCH_STAGING_MIB="4")
+    assert lookahead == 0 and staging == 0 and "under the 12.5%" in why, (lookahead, staging, why, ahead)
+
+
+def test_a_budget_at_lookahead_1_takes_a_smaller_ring_that_keeps_uploads_2_ahead(hazards):
+    """Cold read of the pieces, finding 1: the lookahead is not monotonic in the budget; on this chain 7 MiB gives
+    lookahead 2 in 6.75 MiB, 8 MiB lookahead 1 (kept whole: 8 MiB), 9 MiB lookahead 2. A budget that reaches only
+    lookahead 1 now looks for the smallest ring that keeps every upload 2 ahead within it."""
+    dims = "1152,256,384,1408,768,896"
+    for mib in ("7", "8", "9"):
+        lookahead, staging, why, ahead = _chain(hazards, dims, GGML_SCHED_PREFETCH_STAGING_MIB=mib)
+        assert lookahead >= 2 and staging <= int(mib) << 20, (mib, lookahead, staging, why)
+
+
+def test_a_halved_budget_never_lands_at_lookahead_1(hazards):
+    """Cold read of the pieces, finding 2: a 21.38 MiB arena that does not fit next to the compute buffer in 16 MiB
+    of SIM memory was halved to 10.69 MiB, where this chain keeps some upload only 1 split ahead, though the floor
+    of the shrink (10.5 MiB) keeps every upload 2 ahead. A half at lookahead 1 takes the floor."""
+    lookahead, staging, why, ahead = _chain(hazards, "768,384,1792,1152,256,1664,1280,384", GGML_SIM_MEMORY_MIB="16")
+    assert "reduced" in why and lookahead >= 2, (lookahead, staging, why, ahead)
+
+
 def test_a_staging_budget_beyond_int_in_the_environment_is_refused(hazards):
     """Finding 7: atoi wrapped GGML_SCHED_PREFETCH_STAGING_MIB=4294967297 to 1 MiB; now it is refused with a message
     and the budget stays auto (every upload 4 ahead in the 4.5 MiB ring)."""

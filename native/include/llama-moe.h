@@ -53,8 +53,9 @@ LLAMA_MOE_API void llama_moe_set_prefetch_params(struct llama_context * ctx, str
 
 // The staging budget per device in MiB: 0 auto (the smallest ring that keeps every upload depth splits ahead, at
 // most depth x the largest split); a budget that does not reach the depth takes only what the lookahead it reaches
-// needs. Never less than the largest split (raised to it); one that keeps some upload only 1 split ahead turns the
-// prefetch off there; halved (not below 2 splits ahead) when it does not fit or leaves less than the headroom,
+// needs. Never less than the largest split (raised to it); under two splits' copies (lookahead 1) part of each
+// upload still runs during the compute before its split, and where that part is under an eighth of some upload the
+// prefetch turns off there; halved (not below 2 splits ahead) when it does not fit or leaves less than the headroom,
 // then off. Process default, read when a context is created: >= 0 sets it (0: auto, over the environment), -1
 // unsets it (then GGML_SCHED_PREFETCH_STAGING_MIB, then auto). Per context: >= 0 sets it, -1 takes the process
 // default again. The getters return the value in effect.

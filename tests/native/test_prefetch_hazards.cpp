@@ -8,7 +8,7 @@
 //                                         earlier-buffer-fails | headroom-later | meta-input | mixed-sizes |
 //                                         budget-steps | ring-overlap | mixed-budget | one-split |
 //                                         headroom-other-device | ring-oplog | ring-oplog-wide |
-//                                         poison-then-small
+//                                         chain-dims | poison-then-small
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -1100,9 +1100,9 @@ static int headroom_other_device(const std::string & name) {
 // a chain of `dims` under GGML_SCHED_PREFETCH_STAGING_MIB: computes it once, checks the result and prints the
 // lookahead and the least share of an upload ahead of the compute before it; test_prefetch.py reads SIM's op log
 // to see whether any upload overlapped a compute.
-static int ring_oplog(const std::string & name, const std::vector<int64_t> & dims) {
+static int ring_oplog(const std::string & name, const std::vector<int64_t> & dims, int depth = 2) {
     chain c;
-    const std::string err = c.run(prefetch_on(32, 2), dims);
+    const std::string err = c.run(prefetch_on(32, depth), dims);
     if (!err.empty()) {
         return fail(name, err);
     }
@@ -1114,6 +1114,26 @@ static int ring_oplog(const std::string & name, const std::vector<int64_t> & dim
            ggml_backend_sched_get_prefetch_size(c.f.sched, c.f.sim), reason ? reason : "no reason",
            ggml_backend_sched_get_prefetch_ahead(c.f.sched, c.f.sim), (size_t) st.n_prefetch_uploads);
     return 0;
+}
+
+// the chain of HAZARD_CHAIN_DIMS (comma-separated widths) at depth GGML_SCHED_PREFETCH_DEPTH (4 when unset), as
+// ring-oplog: for shapes whose lookahead is not monotonic in the budget, or whose ring leaves a sliver ahead
+static int chain_dims(const std::string & name) {
+    const char * dims_env = getenv("HAZARD_CHAIN_DIMS");
+    std::vector<int64_t> dims;
+    for (const char * p = dims_env ? dims_env : ""; *p != '\0';) {
+        char * end = nullptr;
+        dims.push_back(strtoll(p, &end, 10));
+        p = *end == ',' ? end + 1 : end;
+        if (end == p && *p != '\0') {
+            break;
+        }
+    }
+    if (dims.size() < 2) {
+        return fail(name, "set HAZARD_CHAIN_DIMS to two or more comma-separated widths");
+    }
+    const char * depth_env = getenv("GGML_SCHED_PREFETCH_DEPTH");
+    return ring_oplog(name, dims, depth_env ? atoi(depth_env) : 4);
 }
 
 // {512 x 4}, a 64-token graph (uploaded ahead, with the debug poison of each placement queued on the copy queue
@@ -1215,6 +1235,7 @@ int main(int argc, char ** argv) {
         { "ring-oplog",           [](const std::string & n) { return ring_oplog(n, { 512, 512, 512, 512 }); } },
         // four 2 MiB splits: a 3 MiB ring holds one and half of the next
         { "ring-oplog-wide",      [](const std::string & n) { return ring_oplog(n, { 512, 1024, 512, 1024, 512 }); } },
+        { "chain-dims",           chain_dims },
         { "poison-then-small",    poison_then_small },
     };
     if (argc == 2) {
