@@ -124,6 +124,16 @@ class BenchResult:
     stop_reason: str = ""
     seconds: float = 0.0
 
+    def too_few_rounds(self, target: float | None) -> list[str]:
+        """Labels of the tests whose interval is within +/- target but rests on fewer rounds than a target needs."""
+        out = []
+        for row in self.rows.values():
+            iv = row.interval()
+            if (target and iv and iv.half_width is not None and iv.half_width <= target
+                    and iv.n < MIN_ROUNDS_FOR_TARGET):
+                out.append(row.label)
+        return out
+
     def converged(self, target: float | None) -> dict[str, bool]:
         """Per test label: whether its interval is at most +/- target (only meaningful with a target)."""
         out = {}
@@ -335,6 +345,7 @@ def format_table(result: BenchResult, names: dict[str, str], target: float | Non
     extra = extra or {}
     extra_cols = sorted({c for cols in extra.values() for c in cols})
     converged = result.converged(target) if target else {}
+    few = set(result.too_few_rounds(target))
     head = (f"| test | {names['baseline']} t/s | {names['candidate']} t/s | ratio [95% CI] | +/- | rounds |"
             + "".join(f" {c} |" for c in extra_cols))
     lines = [head, "|---|---:|---:|---:|---:|---:|" + "---:|" * len(extra_cols)]
@@ -342,7 +353,10 @@ def format_table(result: BenchResult, names: dict[str, str], target: float | Non
         b, c = row.median("baseline"), row.median("candidate")
         iv = row.interval()
         ratio, half = _interval_text(iv)
-        mark = " (not converged)" if target and not converged.get(row.label) else ""
+        mark = ""
+        if target and not converged.get(row.label):
+            mark = (f" (within +/-{target:.1%}, but a target needs {MIN_ROUNDS_FOR_TARGET} rounds)"
+                    if row.label in few else " (not converged)")
         cells = [row.label + mark, f"{b:.2f}" if b else "n/a", f"{c:.2f}" if c else "n/a", ratio, half,
                  str(iv.n if iv else 0), *(extra.get(row.label, {}).get(col, "") for col in extra_cols)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -164,9 +164,15 @@ def run_bench(args, model: Path) -> str:
         lines.append("pinned host-to-device bandwidth: " + ", ".join(f"{p['pinned_gbps']:.1f} GB/s" for p in probes)
                      + f" ({probes[0].get('device')})")
     if args.target_ci:
-        missed = [label for label, ok in result.converged(args.target_ci).items() if not ok]
-        lines.append(f"not converged to +/-{args.target_ci:.1%}: " + ", ".join(missed) if missed
-                     else f"every interval within +/-{args.target_ci:.1%}")
+        few = result.too_few_rounds(args.target_ci)
+        missed = [label for label, ok in result.converged(args.target_ci).items() if not ok and label not in few]
+        if few:
+            lines.append(f"within +/-{args.target_ci:.1%} but on fewer than {bench.MIN_ROUNDS_FOR_TARGET} rounds, "
+                         "the fewest a target counts: " + ", ".join(few))
+        if missed:
+            lines.append(f"not converged to +/-{args.target_ci:.1%}: " + ", ".join(missed))
+        elif not few:
+            lines.append(f"every interval within +/-{args.target_ci:.1%}")
     return "\n".join(lines)
 
 

@@ -186,6 +186,21 @@ def test_json_keeps_every_sample_and_the_table_shows_intervals(tmp_path):
     assert "CV between processes" in bench.format_noise(result, {"baseline": "master", "candidate": "patched"})
 
 
+def test_a_narrow_interval_on_too_few_rounds_says_so_instead_of_not_converged(tmp_path):
+    """Four rounds within the target: the table names the rounds a target counts, not "(not converged)" (the
+    fourth GPU session's 4-round planted and self runs read "not converged" at +/-0.8% and +/-1.1%)."""
+    base = _fake_build(tmp_path, "a", _drifting(10, [0.0, 0.001]))
+    cand = _fake_build(tmp_path, "b", _drifting(10, [0.001, -0.001]))
+    result = bench.ab_bench({"baseline": base, "candidate": cand}, _plan(tmp_path, rounds=4, reps=3))
+    names = {"baseline": "master", "candidate": "patched"}
+    assert result.too_few_rounds(0.5) and not any(result.converged(0.5).values())
+    table = bench.format_table(result, names, target=0.5)
+    assert "but a target needs 5 rounds" in table and "(not converged)" not in table
+    # the jittered decode row is wider than 1e-6 (the steady rows are exact, so narrow at any target)
+    assert "(not converged)" in bench.format_table(result, names, target=1e-6)
+    assert len(result.too_few_rounds(1e-6)) < len(result.rows)
+
+
 def test_limit_row_shares(tmp_path):
     base = _fake_build(tmp_path, "a", [{"pp": 1000.0, "tg": 40.0, "tg0": 320.0}, {"pp": 1000.0, "tg": 44.0, "tg0": 352.0}])
     cand = _fake_build(tmp_path, "b", [{"pp": 1000.0, "tg": 80.0, "tg0": 320.0}, {"pp": 1000.0, "tg": 88.0, "tg0": 352.0}])
