@@ -255,7 +255,7 @@ def register(sub) -> None:
     _add_common(p)
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("bench", help="A/B llama-bench of two builds in paired rounds; ratio per test with a 95% interval")
+    p = sub.add_parser("bench", help="A/B llama-bench of two builds in paired rounds; ratio per test with a 95%% interval")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=Path)
     src.add_argument("--synth", help="a model defined in the matrix file (made once, cached)")

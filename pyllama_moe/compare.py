@@ -140,7 +140,7 @@ class Harness:
                                                                stats=prefetch_on, **common))
         checks = []
         if cell.candidate == "patched" and cell.backend != "cpu" and cell.load == "mmap" and cell.offload != "all":
-            checks.append(pin_check(cand.log, partial="LLAMA_MOE_PIN_BUDGET_MIB" in env))
+            checks.append(pin_check(cand.log, budget_mib=_float_or_none(env.get("LLAMA_MOE_PIN_BUDGET_MIB"))))
         if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
             checks.append(prefetch_check(cell, env, cand.stats))
         if oplog is not None:
@@ -214,7 +214,7 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
 
 
 PINNED_IN_PLACE = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of expert weights registered with (\S+) "
-                             r"\(page-locked in place: (\d+) range")
+                             r"\(page-locked in place: (\d+) range\(s\), ([0-9.]+ [MG]iB)\)")
 # a pin budget below the experts (the pin-budget knob): part of the ranges registered and the rest left pageable,
 # or, where even the first range is larger than the budget, none; either way the line names the budget
 PINNED_IN_PART = re.compile(r"llama_moe: (?:([0-9.]+ [MG]iB) of [0-9.]+ [MG]iB of expert ranges registered with (\S+) "
@@ -223,14 +223,28 @@ PINNED_IN_PART = re.compile(r"llama_moe: (?:([0-9.]+ [MG]iB) of [0-9.]+ [MG]iB o
                             r".* the budget of LLAMA_MOE_PIN_BUDGET_MIB")
 
 
-def pin_check(log: str, partial: bool = False) -> Check:
+def _mib(size: str) -> float:
+    """llama_moe's "3.41 MiB" / "1.25 GiB" in MiB."""
+    value, unit = size.split()
+    return float(value) * (1024 if unit == "GiB" else 1)
+
+
+def _float_or_none(text: str | None) -> float | None:
+    return float(text) if text is not None else None
+
+
+def pin_check(log: str, budget_mib: float | None = None) -> Check:
     """Every host expert the device uploads from the mapped file was page-locked in place: the line that says so,
     and no other (a partial registration, a copy or a refusal has its own words). With a split GGUF, a range
     merged across two shards' mappings spanned a hole and every expert fell back to a copy (issue 11, item 2).
-    With `partial` (a pin budget below the experts), the line must say that the budget held what was registered
-    in place: part of the ranges, or none where the first range alone is larger (glm4moe's with `-ngl 2`)."""
+    Under a pin budget (the pin-budget knob), no more than the budget is page-locked: part of the ranges, none
+    where the first range alone is larger (glm4moe's with `-ngl 2`), or all of them where they fit in it (the
+    3.41 MiB range of qwen3moe's two host layers under 4 MiB, which the first CUDA run of the knob flagged)."""
     lines = [line[line.index("llama_moe: "):] for line in log.splitlines() if "llama_moe: " in line]
-    m = (PINNED_IN_PART if partial else PINNED_IN_PLACE).search(lines[0]) if len(lines) == 1 else None
+    line = lines[0] if len(lines) == 1 else ""
+    m = PINNED_IN_PLACE.search(line)
+    if budget_mib is not None and not (m and _mib(m.group(4)) <= budget_mib):
+        m = PINNED_IN_PART.search(line)
     detail = {"log": lines[:3]}
     if m and m.group(1):
         detail.update(expert_bytes=m.group(1), device=m.group(2), ranges=int(m.group(3)))

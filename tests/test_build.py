@@ -122,3 +122,20 @@ def test_embedded_build_info_rule():
     assert "not a patched build" in embedded_mismatch("patched", "k1", None, path)
     assert "embeds key k1 (patched), not the patched build k2" in embedded_mismatch("patched", "k2", good, path)
     assert parse_build_info("key=k1;variant=patched;pin=0.3.36@abc") == {"key": "k1", "variant": "patched", "pin": "0.3.36@abc"}
+
+
+def test_every_verb_prints_its_help():
+    """argparse formats help strings with %: a bare '95%' in one verb's help broke `pyllama-moe --help`."""
+    import argparse
+
+    from pyllama_moe.cli import build_parser
+
+    parser = build_parser()
+    parser.format_help()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in verbs.choices.items():
+        assert sub.format_help(), name
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for subsub in action.choices.values():
+                    assert subsub.format_help()

@@ -86,12 +86,17 @@ def test_the_pinned_check_tells_a_whole_pin_from_a_partial_one():
             "LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget, at most 23.11 GiB available less a 2.00 GiB margin")
     copied = "0.03 I llama_moe: 6.38 MiB of expert weights copied into pinned memory (SIM_Host): registration failed"
     assert pin_check(whole).identical and not pin_check(part).identical and not pin_check(copied).identical
-    # with the pin-budget knob the cell expects part of the ranges in place, and nothing else
-    assert pin_check(part, partial=True).identical and not pin_check(whole, partial=True).identical
-    assert pin_check(part, partial=True).detail["ranges"] == 2
-    assert not pin_check(copied, partial=True).identical
+    # under the pin-budget knob's 4 MiB, part of the ranges in place, or all of them where they fit in it
+    assert pin_check(part, budget_mib=4).identical and not pin_check(whole, budget_mib=4).identical
+    assert pin_check(part, budget_mib=4).detail["ranges"] == 2
+    assert not pin_check(copied, budget_mib=4).identical
+    assert pin_check(whole, budget_mib=7.03).identical and not pin_check(whole, budget_mib=7).identical
+    # the line of the first CUDA run of the knob (qwen3moe, -ncmoe 2): its whole 3.41 MiB range fits in 4 MiB
+    small = "0.05 I llama_moe: 3.19 MiB of expert weights registered with CUDA0 (page-locked in place: 1 range(s), 3.41 MiB)"
+    assert pin_check(small, budget_mib=4).identical and not pin_check(small, budget_mib=3).identical
+    assert not pin_check(small.replace("3.41 MiB)", "1.10 GiB)"), budget_mib=4).identical
     none_fit = ("0.04 W llama_moe: 3.19 MiB of expert weights left pageable: not one range of them fits the 4.00 MiB "
                 "of page-locked memory allowed, the budget of LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget, at most ...")
-    assert pin_check(none_fit, partial=True).identical and not pin_check(none_fit).identical
+    assert pin_check(none_fit, budget_mib=4).identical and not pin_check(none_fit).identical
     unbudgeted = none_fit.replace("the budget of LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget", "the memory available")
-    assert not pin_check(unbudgeted, partial=True).identical
+    assert not pin_check(unbudgeted, budget_mib=4).identical
