@@ -5,6 +5,10 @@ share of its limit row against a staging budget (where the curve goes flat).
 A series is the tests of one file that agree on every setting but FIELD; it is drawn as a line through its
 points, with the interval as error bars where the file has one. FIELD is a llama-bench field of the test's key
 (`n_ubatch`, `n_cpu_moe`, ... or a column a build adds); its values must be numbers.
+
+A file may also be llama-bench's own `-o json` output (a list of records, one build, e.g. a sweep of a knob only
+the patched build has): each record is a test keyed by its settings, and only `--sweep-y ts` applies, the median
+of its samples with their range as the bar.
 """
 
 from __future__ import annotations
@@ -24,9 +28,16 @@ MEASURES = {
 LOG2_SPAN = 8  # x values spanning more than this factor get a base-2 axis (ubatch sizes, budgets)
 
 
+# the fields of a llama-bench record that are its measurement, not its settings
+LLAMA_BENCH_RESULTS = {"avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts", "test_time"}
+
+
 def sweep_series(path: Path, field: str, measure: str) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
-    """Per series label, its points (x, y, low, high) sorted by x, from one `bench --json` file."""
-    _, tests = _read_file(Path(path), normalize=False)  # refuses what is not a bench file, with one message
+    """Per series label, its points (x, y, low, high) sorted by x, from one `bench --json` file or one
+    llama-bench `-o json` file."""
+    tests = _llama_bench_tests(Path(path), measure)
+    if tests is None:
+        _, tests = _read_file(Path(path), normalize=False)  # refuses what is not a bench file, with one message
     try:
         groups: dict[tuple, list] = {}
         for t in tests:
@@ -47,14 +58,38 @@ def sweep_series(path: Path, field: str, measure: str) -> dict[str, list[tuple[f
     return {_series_label(Path(path), rest, groups): sorted(points) for rest, points in groups.items()}
 
 
+def _llama_bench_tests(path: Path, measure: str) -> list[dict] | None:
+    """The records of a llama-bench `-o json` file as tests with a key and a median, or None if it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # _read_file says what is wrong with it
+    if not (isinstance(data, list) and data and all(isinstance(r, dict) and "samples_ts" in r for r in data)):
+        return None
+    if measure != "ts":
+        raise UserError(f"{path} is llama-bench output of one build: it has t/s, no {measure}",
+                        "use --sweep-y ts, or A/B the builds with `pyllama-moe bench --json`")
+    tests = []
+    for r in data:
+        samples = sorted(float(v) for v in r["samples_ts"])
+        if not samples:
+            continue
+        mid = len(samples) // 2
+        median = samples[mid] if len(samples) % 2 else (samples[mid - 1] + samples[mid]) / 2
+        key = {k: v for k, v in r.items() if k not in LLAMA_BENCH_RESULTS}
+        tests.append({"test": f"pp{r.get('n_prompt')} tg{r.get('n_gen')}", "key": key, "median_candidate": median,
+                      "ts_low": samples[0], "ts_high": samples[-1]})
+    return tests
+
+
 def _point(t: dict, measure: str) -> tuple[float, float | None, float | None] | None:
     if measure == "ratio":
         value, low, high = t.get("ratio"), t.get("ci_low"), t.get("ci_high")
     elif measure == "share":
         limit = t.get("limit") or {}
         value, low, high = limit.get("share_candidate"), limit.get("share_low"), limit.get("share_high")
-    else:
-        value, low, high = t.get("median_candidate"), None, None
+    else:  # the range of the samples where a llama-bench file gives them, else no bar
+        value, low, high = t.get("median_candidate"), t.get("ts_low"), t.get("ts_high")
     if value is None:
         return None  # the limit row itself, or a side with nothing kept
     return float(value), low, high

@@ -300,3 +300,25 @@ def test_sweep_of_shares_skips_the_limit_row_and_a_bad_field_is_named(tmp_path, 
     bad.write_text(json.dumps(data))
     assert main(["plot", str(bad), "--sweep", "load_mode", "-o", str(tmp_path / "y.svg")]) == 2
     assert "not a number" in capsys.readouterr().err
+
+
+def test_sweep_reads_llama_bench_json_of_one_build(tmp_path, capsys):
+    def record(ub, staging, samples):
+        return {"n_prompt": 4096, "n_gen": 0, "n_ubatch": ub, "sched_prefetch_staging": staging,
+                "test_time": f"2026-12-01T14:{staging % 60:02d}:00Z", "avg_ts": sum(samples) / len(samples),
+                "stddev_ts": 1.0, "samples_ts": samples, "samples_ns": [1] * len(samples)}
+
+    f = tmp_path / "sweep.json"
+    f.write_text(json.dumps([record(4096, 216, [9818, 9810, 9823]), record(4096, 108, [6438, 6469, 6476]),
+                             record(2048, 108, [4357, 4371, 4374, 4380])]))
+    from pyllama_moe.plot_sweep import sweep_series
+
+    # the test time differs per record and is a result, not a setting: one line per ubatch, not per record
+    assert sweep_series(f, "sched_prefetch_staging", "ts") == {
+        "sweep n_ubatch=4096": [(108.0, 6469.0, 6438.0, 6476.0), (216.0, 9818.0, 9810.0, 9823.0)],
+        "sweep n_ubatch=2048": [(108.0, 4372.5, 4357.0, 4380.0)]}
+    assert main(["plot", str(f), "--sweep", "sched_prefetch_staging", "-o", str(tmp_path / "r.svg")]) == 2
+    assert "no ratio" in capsys.readouterr().err and not (tmp_path / "r.svg").exists()
+    out = tmp_path / "ts.svg"
+    assert main(["plot", str(f), "--sweep", "sched_prefetch_staging", "--sweep-y", "ts", "-o", str(out)]) == 0
+    ET.parse(out)

@@ -7,7 +7,8 @@
 #   minbatch   item 4: where uploading whole experts ahead beats copying the routed ones at split time. The
 #              patched build against itself, GGML_SCHED_PREFETCH_MIN_BATCH=1 (every ubatch uploads ahead) as
 #              the candidate and 1000000 (no ubatch does: routed copies only) as the baseline, pp512 at ub
-#              32..512, routing skew 0 and 0.5; a ratio above 1 says "ahead" is faster at that ubatch size
+#              32..512, routing skew 0 and 0.5 (MINBATCH_SKEWS); a ratio above 1 says "ahead" is faster at that
+#              ubatch size
 #   share      the pp4096 ub 4096 target: patched share of the all-on-GPU row with its interval, 8 rounds
 #   pin        item 1: a pin budget smaller than the experts pins part and says so (tiny model and 30B model,
 #              mmap), the greedy text equal to the run with pinning off; the identity cells with the budget
@@ -44,7 +45,7 @@ build)
     ;;
 minbatch)
     wait_builds 60 || exit 1
-    for skew in 0 0.5; do
+    for skew in ${MINBATCH_SKEWS:-0 0.5}; do
         m=$(skewed_model $skew) || exit 1
         # ~5 s a pp512 at ub 32 (16 ubatches, each sending most experts), ~60-90 s a round of both sides: the time
         # budget keeps what ran (a round that would not fit is not started) inside the timeout
@@ -54,7 +55,8 @@ minbatch)
             --json "$OUT/minbatch-skew$skew.json" \
             -- -p 512 -n 0 -b 512 -ub 32,64,128,256,512 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/minbatch-skew$skew.txt"
     done
-    python3 -m pyllama_moe plot "$OUT"/minbatch-skew0.json "$OUT"/minbatch-skew0.5.json --sweep n_ubatch \
+    # the skews this run did not measure are read from MINBATCH_EARLIER (e.g. results/minbatch-s5-skew0.json)
+    python3 -m pyllama_moe plot ${MINBATCH_EARLIER:-} $(ls "$OUT"/minbatch-skew*.json) --sweep n_ubatch \
         --title "uploads ahead (min batch 1) / routed copies (min batch 1e6), pp512, experts on the host" \
         -o "$OUT/minbatch.svg"
     ;;
