@@ -143,6 +143,8 @@ class Harness:
             checks.append(pin_check(cand.log, budget_mib=_float_or_none(env.get("LLAMA_MOE_PIN_BUDGET_MIB"))))
         if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
             checks.append(prefetch_check(cell, env, cand.stats))
+        if cell.candidate == "patched" and cell.backend != "cpu" and int(env.get("LLAMA_MOE_CACHE_MIB", "0")) > 0:
+            checks.append(cache_check(cand.log))
         if oplog is not None:
             used, races = read_sim_oplog(oplog)
             shutil.rmtree(oplog.parent, ignore_errors=True)
@@ -165,12 +167,17 @@ class Harness:
                          min(len(base.generated), len(cand.generated)))
             text_detail.update(first_diff_token=first, base=base.text[:80], candidate=cand.text[:80])
         checks.append(Check("text", same_text, text_detail))
+        if base.decode_logits_sha256 and cand.decode_logits_sha256:
+            # the text can be equal while a logit is not: every decode step's logits, byte for byte
+            checks.append(Check("decode-logits", base.decode_logits_sha256 == cand.decode_logits_sha256,
+                                {"sha256_base": base.decode_logits_sha256, "sha256_candidate": cand.decode_logits_sha256,
+                                 "steps": max(len(base.generated) - 1, 0)}))
         if cell.perplexity:
             checks.append(self._perplexity(cell, model, corpus, base_build, cand_build, env))
         if cell.expect == "identical":
             ok = all(c.identical for c in checks)
-        else:  # a negative control: the logits must be reported as different
-            ok = not next(c for c in checks if c.name == "logits").identical
+        else:  # a negative control: what it computed (the logits, or the generated text) must be reported as different
+            ok = not all(c.identical for c in checks if c.name in ("logits", "decode-logits", "text", "perplexity"))
         return CellResult(cell, "pass" if ok else "fail", checks, seconds=time.monotonic() - started)
 
     def _perplexity(self, cell, model, corpus, base_build, cand_build, env) -> Check:
@@ -240,7 +247,8 @@ def pin_check(log: str, budget_mib: float | None = None) -> Check:
     Under a pin budget (the pin-budget knob), no more than the budget is page-locked: part of the ranges, none
     where the first range alone is larger (glm4moe's with `-ngl 2`), or all of them where they fit in it (the
     3.41 MiB range of qwen3moe's two host layers under 4 MiB, which the first CUDA run of the knob flagged)."""
-    lines = [line[line.index("llama_moe: "):] for line in log.splitlines() if "llama_moe: " in line]
+    lines = [line[line.index("llama_moe: "):] for line in log.splitlines()
+             if "llama_moe: " in line and "expert cache" not in line]  # the cache's lines are cache_check's
     line = lines[0] if len(lines) == 1 else ""
     m = PINNED_IN_PLACE.search(line)
     if budget_mib is not None and not (m and _mib(m.group(4)) <= budget_mib):
@@ -249,6 +257,21 @@ def pin_check(log: str, budget_mib: float | None = None) -> Check:
     if m and m.group(1):
         detail.update(expert_bytes=m.group(1), device=m.group(2), ranges=int(m.group(3)))
     return Check("pinned", m is not None, detail)
+
+
+CACHE_MADE = re.compile(r"llama_moe: expert cache on (\S+): ([0-9.]+) MiB, (\d+) MoE layers")
+CACHE_DECODE = re.compile(r"llama_moe: expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses")
+
+
+def cache_check(log: str) -> Check:
+    """The expert cache really took its path: banks were made and, by the context's summary at its end, decode
+    steps planned with misses (the cells' budget evicts every token), so the text was computed from the banks."""
+    made = [m.groups() for m in CACHE_MADE.finditer(log)]
+    decode = [tuple(map(int, m.groups())) for m in CACHE_DECODE.finditer(log)]
+    steps = sum(d[0] for d in decode)
+    misses = sum(d[2] for d in decode)
+    detail = {"devices": [m[0] for m in made], "layer_steps": steps, "hits": sum(d[1] for d in decode), "misses": misses}
+    return Check("cache", bool(made) and steps > 0 and misses > 0, detail)
 
 
 def read_sim_oplog(oplog: Path) -> tuple[set, int]:

@@ -49,6 +49,7 @@ class RunResult:
     text: str
     log: str
     stats: dict | None = None
+    decode_logits_sha256: str | None = None  # the logits of every generated step after the first, in order
 
 
 def check_model(path: Path) -> Path:
@@ -86,4 +87,4 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits else None
     return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), log,
-                     reply.get("stats"))
+                     reply.get("stats"), reply.get("decode_logits_sha256"))

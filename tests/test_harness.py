@@ -100,3 +100,20 @@ def test_the_pinned_check_tells_a_whole_pin_from_a_partial_one():
     assert pin_check(none_fit, budget_mib=4).identical and not pin_check(none_fit).identical
     unbudgeted = none_fit.replace("the budget of LLAMA_MOE_PIN_BUDGET_MIB / --pin-budget", "the memory available")
     assert not pin_check(unbudgeted, budget_mib=4).identical
+
+
+def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
+    from pyllama_moe.compare import cache_check, pin_check
+
+    made = ("0.01 I llama_moe: expert cache on SIM0: 1.99 MiB, 4 MoE layers with their experts on the host, 5-5 of 16 "
+            "expert slots each; graphs of up to 32 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)")
+    summary = ("0.02 I llama_moe: expert cache, decode: 1198 layer steps, 1498 hits, 3294 misses (hit rate 31.3%), "
+               "0 on the staging path, 328.11 MiB uploaded in 9636 copies")
+    check = cache_check(made + "\n" + summary)
+    assert check.identical and check.detail == {"devices": ["SIM0"], "layer_steps": 1198, "hits": 1498, "misses": 3294}
+    assert not cache_check(summary).identical  # no banks: the text came from somewhere else
+    assert not cache_check(made).identical     # banks, but no summary of decode steps
+    assert not cache_check(made + "\n" + summary.replace("3294 misses", "0 misses")).identical
+    # the cache's lines are not the pin's: the pin check still sees its one line
+    pinned = "0.00 I llama_moe: 6.38 MiB of expert weights registered with SIM0 (page-locked in place: 1 range(s), 7.03 MiB)"
+    assert pin_check("\n".join([pinned, made, summary])).identical

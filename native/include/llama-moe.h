@@ -107,6 +107,39 @@ LLAMA_MOE_API int32_t llama_moe_default_get_pin_experts(void);
 LLAMA_MOE_API void    llama_moe_default_set_pin_budget_mib(int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_default_get_pin_budget_mib(void);
 
+// --- MoE expert cache ---
+// Device banks of expert slots for the MoE layers whose experts stay on the host (--cpu-moe, -ncmoe): a graph of
+// at most LLAMA_MOE_CACHE_DECODE_MAX tokens (default 8) whose experts fit a layer's slots reads that layer's experts
+// from its banks; the router's ids are read back, a CLOCK plan (never evicting a slot the same ubatch uses) picks the
+// slots, and the misses are uploaded from the host before the matmuls. Larger graphs use the host weights as before.
+// Slots are shared out equally across the layers of a device (at least n_expert_used each, or no cache). The banks are
+// counted with the context's memory in the memory breakdown; a budget above the device's free memory less 512 MiB is
+// shrunk to it with a warning; a model with no host experts gets no cache, said once. Computes the same bytes as the
+// weights read on the device. Budget per device in MiB, process-wide default read when a context is created: >= 0
+// sets it (0 off), -1 unsets it (then LLAMA_MOE_CACHE_MIB, then 0). The getter returns the value in effect.
+LLAMA_MOE_API void    llama_moe_default_set_moe_cache_mib(int64_t mib);
+LLAMA_MOE_API int64_t llama_moe_default_get_moe_cache_mib(void);
+
+// Counters of a context's cache since it was created: per layer (il >= 0) or summed over layers (il < 0), and phase
+// (0 prompt, 1 decode). Experts are counted once per ubatch and layer; bytes over all of a layer's expert tensors.
+struct llama_moe_cache_counters {
+    uint64_t n_ubatches;     // layer steps planned
+    uint64_t n_hits;         // routed experts found resident
+    uint64_t n_misses;       // routed experts uploaded from the host
+    uint64_t n_overflow;     // steps with more distinct experts than slots (the staging path)
+    uint64_t n_fills;        // experts made resident
+    uint64_t n_evictions;    // ... of them into a slot that held another expert
+    uint64_t bytes_uploaded; // host -> device
+    uint64_t bytes_copied;   // device -> device
+    uint64_t n_copy_calls;   // copies issued: one per run of consecutive experts into consecutive slots and tensor
+};
+
+// Returns the number of layers the context caches (0: no cache; *out is zeroed). An il without a cache gives zeros.
+LLAMA_MOE_API int32_t llama_moe_cache_get_counters(const struct llama_context * ctx, int32_t il, int32_t phase,
+        struct llama_moe_cache_counters * out);
+// Bytes of the context's banks, over its devices.
+LLAMA_MOE_API size_t  llama_moe_cache_size(const struct llama_context * ctx);
+
 // --- END CFFI ---
 
 #ifdef __cplusplus

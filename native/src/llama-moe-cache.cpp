@@ -207,6 +207,41 @@ static int32_t routed(const llama_moe_cache_layer & l, const int32_t * ids, int6
     return e;
 }
 
+// the distinct experts of a ubatch in order of first appearance, marked seen in a new epoch of the layer
+static void distinct_experts(llama_moe_cache_layer & l, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        std::vector<int32_t> & out) {
+    next_epoch(l);
+    out.clear();
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = routed(l, ids, t, j, stride);
+            if (l.seen[e] != l.epoch) {
+                l.seen[e] = l.epoch;
+                out.push_back(e);
+            }
+        }
+    }
+}
+
+// the staging path uploads the routed experts (in runs of consecutive ids): misses all of them
+static void count_staging(const llama_moe_cache_layer & l, const std::vector<int32_t> & distinct, llama_moe_cache_stats & st) {
+    std::vector<int32_t> sorted = distinct;
+    std::sort(sorted.begin(), sorted.end());
+    st.n_overflow++;
+    st.n_misses       += sorted.size();
+    st.bytes_uploaded += sorted.size() * l.expert_bytes;
+    st.n_copy_calls   += n_runs(sorted) * l.n_tensors;
+}
+
+void llama_moe_cache::note_staging(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_DECODE];
+    std::vector<int32_t> & distinct = scratch;
+    distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
+    st.n_ubatches++;
+    count_staging(l, distinct, st);
+}
+
 bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
         llama_moe_cache_decode_plan & out) {
     llama_moe_cache_layer & l = layer_of(*this, il);
@@ -216,30 +251,14 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     out.fills.clear();
 
     // distinct experts in order of first appearance: the plan depends on the routing only, never on addresses
-    next_epoch(l);
     std::vector<int32_t> & distinct = scratch;
-    distinct.clear();
-    for (int64_t t = 0; t < n_tokens; t++) {
-        for (int32_t j = 0; j < n_used; j++) {
-            const int32_t e = routed(l, ids, t, j, stride);
-            if (l.seen[e] != l.epoch) {
-                l.seen[e] = l.epoch;
-                distinct.push_back(e);
-            }
-        }
-    }
+    distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
     out.n_distinct = (int32_t) distinct.size();
     st.n_ubatches++;
 
     if (out.n_distinct > l.n_slots) {
-        // the staging path uploads the routed experts (in runs of consecutive ids): misses all of them
         out.overflow = true;
-        std::vector<int32_t> sorted = distinct;
-        std::sort(sorted.begin(), sorted.end());
-        st.n_overflow++;
-        st.n_misses       += sorted.size();
-        st.bytes_uploaded += sorted.size() * l.expert_bytes;
-        st.n_copy_calls   += n_runs(sorted) * l.n_tensors;
+        count_staging(l, distinct, st);
         return false;
     }
 

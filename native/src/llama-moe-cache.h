@@ -151,6 +151,10 @@ struct llama_moe_cache {
     void plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, bool stage_all,
             llama_moe_cache_prompt_plan & out);
 
+    // a decode ubatch the caller sent to the staging path without planning it (its graph could not promise that the
+    // experts fit the slots): counted as an overflow, its routed experts as misses; nothing else changes
+    void note_staging(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride);
+
     // il < 0: the sum over layers
     llama_moe_cache_stats get_stats(int32_t il, llama_moe_cache_phase phase) const;
     void reset_stats();

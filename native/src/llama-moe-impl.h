@@ -7,6 +7,14 @@
 // llama.cpp flag), else the environment, else ggml's built-in values
 ggml_backend_sched_prefetch_params llama_moe_prefetch_context_defaults();
 
+// the expert cache budget per device in MiB a new context takes: process default (llama-moe.h setter or
+// --moe-cache-mib), else LLAMA_MOE_CACHE_MIB, else 0 (off)
+int64_t llama_moe_cache_context_mib();
+
+// LLAMA_MOE_CACHE_DEBUG_SKIP_FILL=N (read once): the N-th fill of the cache is planned but never uploaded, so a slot
+// keeps stale bytes; a planted fault the identity cells must catch. Unset or 0: off.
+uint64_t llama_moe_cache_debug_skip_fill();
+
 // LLAMA_MOE_DEBUG_SLOWDOWN_PCT=N (read once): at the end of each compute cycle (first decode after a
 // synchronization up to the next synchronization), wait N% of the cycle's time. A planted loss for testing
 // that benchmark statistics see a small slowdown; never for use. Unset or 0: returns at once.

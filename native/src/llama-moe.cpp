@@ -1,6 +1,7 @@
 // pyllama_moe additions to libllama: build identity, host-weight prefetch knobs, scheduler statistics.
 #include "llama-moe.h"
 #include "llama-moe-impl.h"
+#include "llama-moe-cache-rt.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -196,4 +197,71 @@ void llama_moe_debug_slowdown(int64_t cycle_us) {
     const int64_t until = ggml_time_us() + cycle_us * pct / 100;
     while (ggml_time_us() < until) {
     }
+}
+
+//
+// expert cache
+//
+
+static std::mutex g_cache_mutex;
+static int64_t g_cache_mib = -1; // -1: unset
+
+// a whole number >= 0 from the environment, else -1 (unset or not a number, said once)
+static int64_t env_whole(const char * name) {
+    const char * env = getenv(name);
+    if (env == nullptr || *env == '\0') {
+        return -1;
+    }
+    char * end = nullptr;
+    const long long value = strtoll(env, &end, 10);
+    if (*end != '\0' || value < 0) {
+        LLAMA_LOG_WARN("llama_moe: %s=%s ignored: use a whole number >= 0\n", name, env);
+        return -1;
+    }
+    return value;
+}
+
+int64_t llama_moe_cache_context_mib() {
+    {
+        std::lock_guard<std::mutex> lock(g_cache_mutex);
+        if (g_cache_mib >= 0) {
+            return g_cache_mib;
+        }
+    }
+    static const int64_t env = env_whole("LLAMA_MOE_CACHE_MIB");
+    return env >= 0 ? env : 0;
+}
+
+uint64_t llama_moe_cache_debug_skip_fill() {
+    static const int64_t n = [] {
+        const int64_t v = env_whole("LLAMA_MOE_CACHE_DEBUG_SKIP_FILL");
+        if (v > 0) {
+            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DEBUG_SKIP_FILL=%lld: fill %lld of the expert cache is never uploaded "
+                    "(a planted stale slot for testing)\n", (long long) v, (long long) v);
+        }
+        return v;
+    }();
+    return n > 0 ? (uint64_t) n : 0;
+}
+
+void llama_moe_default_set_moe_cache_mib(int64_t mib) {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_cache_mib = mib >= 0 ? mib : -1;
+}
+
+int64_t llama_moe_default_get_moe_cache_mib(void) {
+    return llama_moe_cache_context_mib();
+}
+
+int32_t llama_moe_cache_get_counters(const llama_context * ctx, int32_t il, int32_t phase, llama_moe_cache_counters * out) {
+    *out = {};
+    return llama_moe_cache_counters_of(ctx->get_cparams().moe_cache, il, phase, out);
+}
+
+size_t llama_moe_cache_size(const llama_context * ctx) {
+    size_t n = 0;
+    for (const auto & [buft, size] : llama_moe_cache_memory(ctx->get_cparams().moe_cache)) {
+        n += size;
+    }
+    return n;
 }

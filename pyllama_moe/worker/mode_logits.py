@@ -58,12 +58,16 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 reply["logits_sha256"] = hashlib.sha256(logits.tobytes()).hexdigest()
             generated = []
             last = logits[-1]
+            # the logits of every decode step, hashed in order: the text alone misses a change that flips no argmax
+            decode_digest = hashlib.sha256()
             for step in range(n_gen):
                 tok = int(np.argmax(last))
                 generated.append(tok)
                 if step + 1 < n_gen:
                     last = _decode(L, ctx, batch, [tok], len(tokens) + step, False, n_batch, n_vocab)[-1]
+                    decode_digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
             reply["generated"] = generated
+            reply["decode_logits_sha256"] = decode_digest.hexdigest()
             if moe and req.get("stats"):
                 reply["stats"]["generate"] = moe.stats()
             reply["text"] = _detok(L, vocab, generated)
@@ -148,6 +152,14 @@ class _MoeApi:
         out["prefetch_depth"] = int(self.lib.llama_moe_get_prefetch_params(self.ctx).depth)  # the depth in use
         if hasattr(self.lib, "llama_moe_get_prefetch_staging_mib"):
             out["prefetch_staging_mib"] = int(self.lib.llama_moe_get_prefetch_staging_mib(self.ctx))
+        if hasattr(self.lib, "llama_moe_cache_get_counters"):
+            # the expert cache's counters since the context was created, summed over its layers, per phase
+            counters = self.ffi.new("struct llama_moe_cache_counters *")
+            fields = [name for name, _ in self.ffi.typeof("struct llama_moe_cache_counters").fields]
+            for phase, name in ((0, "cache_prompt"), (1, "cache_decode")):
+                out["cache_layers"] = int(self.lib.llama_moe_cache_get_counters(self.ctx, -1, phase, counters))
+                out[name] = {f: int(getattr(counters, f)) for f in fields}
+            out["cache_bytes"] = int(self.lib.llama_moe_cache_size(self.ctx))
         return out
 
 

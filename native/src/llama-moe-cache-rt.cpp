@@ -1,0 +1,497 @@
+// llama-moe-cache-rt.cpp: the expert cache's banks, graph hook and decode plan; see llama-moe-cache-rt.h.
+#include "llama-moe-cache-rt.h"
+
+#include "llama-impl.h"
+#include "llama-model.h"
+#include "llama-moe-cache.h"
+#include "llama-moe-impl.h"
+#include "llama-moe.h"
+
+#include "ggml-alloc.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+// the order of a layer's expert tensors in rt_layer::host and its banks: the weights (experts along dim 2), then
+// their per-expert biases (experts along dim 1)
+enum { EXP_GATE, EXP_UP, EXP_DOWN, EXP_GATE_UP, EXP_GATE_B, EXP_UP_B, EXP_DOWN_B, EXP_GATE_UP_B, EXP_COUNT };
+static const int EXP_N_WEIGHTS = EXP_GATE_B;
+static const char * const EXP_NAMES[EXP_COUNT] = { "gate", "up", "down", "gate_up", "gate_b", "up_b", "down_b", "gate_up_b" };
+
+static int expert_dim(int k) {
+    return k < EXP_N_WEIGHTS ? 2 : 1;
+}
+
+// what a device keeps free besides the banks: the scheduler's headroom default, so that the compute buffers and the
+// staging arena reserved after the cache still fit
+static const size_t CACHE_FREE_MARGIN = (size_t) 512 * 1024 * 1024;
+
+struct rt_layer {
+    int32_t            il      = -1;
+    ggml_backend_dev_t dev     = nullptr;
+    ggml_backend_t     backend = nullptr; // the scheduler's backend of dev: uploads go on the stream that computes
+    const ggml_tensor * host[EXP_COUNT] = {};
+    llama_moe_cache_graph_layer g;
+    int32_t n_slots = 0;
+    int32_t n_used  = 0; // experts per token in this layer
+    int32_t n_expert = 0;
+    ggml_tensor * bank[EXP_COUNT] = {};
+    // the slot map rows of the last plan; an asynchronous upload reads them after the callback returns, and the next
+    // plan of the layer comes after the scheduler synchronized the device again (a later graph)
+    std::vector<int32_t> slot_map_host;
+};
+
+struct llama_moe_cache_rt {
+    std::unique_ptr<llama_moe_cache> plan;
+    std::vector<rt_layer> layers;
+    std::vector<int32_t>  index;      // [n_layer] into layers, or -1
+    int32_t decode_max = 8;
+
+    std::vector<ggml_context *> ctxs; // the banks' tensors, one context per device
+    std::vector<ggml_backend_buffer_t> bufs;
+
+    // the eval callback of the graph being computed
+    const llama_moe_cache_routes * routes = nullptr;
+    ggml_backend_sched_eval_callback user_cb = nullptr;
+    void * user_data = nullptr;
+
+    std::vector<int32_t> ids_host;    // the router's ids read back, reused
+    llama_moe_cache_decode_plan dplan;
+
+    ~llama_moe_cache_rt() {
+        for (ggml_backend_buffer_t b : bufs) {
+            ggml_backend_buffer_free(b);
+        }
+        for (ggml_context * c : ctxs) {
+            ggml_free(c);
+        }
+    }
+};
+
+static double mib(size_t bytes) {
+    return bytes / (1024.0 * 1024.0);
+}
+
+// LLAMA_MOE_CACHE_DECODE_MAX: the largest graph (tokens) that plans on the host; read once. The default, 8, keeps
+// CUDA on its matrix-vector kernels, whose bytes do not depend on the number of experts of the weight they read (a
+// bank has fewer than the layer); above that the tiled kernels split work by expert count.
+static int32_t decode_max_tokens() {
+    static const int32_t n = [] {
+        const char * env = getenv("LLAMA_MOE_CACHE_DECODE_MAX");
+        if (env == nullptr || *env == '\0') {
+            return 8;
+        }
+        char * end = nullptr;
+        const long v = strtol(env, &end, 10);
+        if (*end != '\0' || v < 1 || v > 4096) {
+            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DECODE_MAX=%s ignored: use a whole number 1..4096 (tokens)\n", env);
+            return 8;
+        }
+        return (int32_t) v;
+    }();
+    return n;
+}
+
+// why layer il's experts cannot be cached, or nullptr; fills the host tensors
+static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer & l) {
+    const llama_layer & ly = model.layers[il];
+    l.host[EXP_GATE]    = ly.ffn_gate_exps;
+    l.host[EXP_UP]      = ly.ffn_up_exps;
+    l.host[EXP_DOWN]    = ly.ffn_down_exps;
+    l.host[EXP_GATE_UP] = ly.ffn_gate_up_exps;
+    l.host[EXP_GATE_B]    = ly.ffn_gate_exps_b;
+    l.host[EXP_UP_B]      = ly.ffn_up_exps_b;
+    l.host[EXP_DOWN_B]    = ly.ffn_down_exps_b;
+    l.host[EXP_GATE_UP_B] = ly.ffn_gate_up_exps_b;
+    if (l.host[EXP_DOWN] == nullptr || (l.host[EXP_UP] == nullptr && l.host[EXP_GATE_UP] == nullptr)) {
+        return "dense";
+    }
+    // the weights decide; a bias on a device stays there (the graph adds it with the router's ids)
+    for (int k = EXP_N_WEIGHTS; k < EXP_COUNT; k++) {
+        const ggml_tensor * b = l.host[k];
+        if (b != nullptr && (b->buffer == nullptr || !ggml_backend_buffer_is_host(b->buffer) || b->extra != nullptr ||
+                !ggml_is_contiguous(b) || b->ne[1] != l.host[EXP_DOWN]->ne[2])) {
+            l.host[k] = nullptr;
+        }
+    }
+    for (int k = 0; k < EXP_N_WEIGHTS; k++) {
+        const ggml_tensor * t = l.host[k];
+        if (t == nullptr) {
+            continue;
+        }
+        if (t->extra != nullptr) {
+            // a CPU repack buffer (not a host buffer to ggml): its bytes are not in the layout a GPU reads
+            return "in a CPU repack buffer, whose layout a GPU cannot read (--no-repack)";
+        }
+        if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
+            return "on a device"; // not a host layer: nothing to cache
+        }
+        if (!ggml_is_contiguous(t) || t->ne[2] != l.host[EXP_DOWN]->ne[2]) {
+            // e.g. a CPU repack buffer: its bytes are not in the layout a GPU reads
+            return "in a host layout the banks do not copy (not contiguous, or tensors of different expert counts)";
+        }
+    }
+    l.dev = model.dev_layer(il);
+    if (l.dev == nullptr || ggml_backend_dev_type(l.dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        return "computed on the CPU (no GPU holds the layer)";
+    }
+    return nullptr;
+}
+
+static size_t layer_expert_bytes(const rt_layer & l) {
+    size_t n = 0;
+    for (int k = 0; k < EXP_COUNT; k++) {
+        n += l.host[k] ? l.host[k]->nb[expert_dim(k)] : 0;
+    }
+    return n;
+}
+
+static int32_t layer_n_tensors(const rt_layer & l) {
+    int32_t n = 0;
+    for (const ggml_tensor * t : l.host) {
+        n += t != nullptr;
+    }
+    return n;
+}
+
+// the banks of the layers of one device in one buffer; false (nothing allocated) if it does not fit
+static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & layers, const std::vector<int32_t> & n_slots) {
+    ggml_init_params ip = { ggml_tensor_overhead() * (EXP_COUNT + 1) * layers.size() + 1024, nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    if (ctx == nullptr) {
+        return false;
+    }
+    for (size_t i = 0; i < layers.size(); i++) {
+        rt_layer & l = *layers[i];
+        for (int k = 0; k < EXP_COUNT; k++) {
+            l.bank[k] = nullptr;
+            if (l.host[k] != nullptr && n_slots[i] > 0) {
+                const ggml_tensor * h = l.host[k];
+                l.bank[k] = expert_dim(k) == 2 ? ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_slots[i])
+                                               : ggml_new_tensor_2d(ctx, h->type, h->ne[0], n_slots[i]);
+                ggml_format_name(l.bank[k], "moe_cache_%s-%d", EXP_NAMES[k], l.il);
+            }
+        }
+        l.g = {};
+        l.g.bank_gate      = l.bank[EXP_GATE];
+        l.g.bank_up        = l.bank[EXP_UP];
+        l.g.bank_down      = l.bank[EXP_DOWN];
+        l.g.bank_gate_up   = l.bank[EXP_GATE_UP];
+        l.g.bank_gate_b    = l.bank[EXP_GATE_B];
+        l.g.bank_up_b      = l.bank[EXP_UP_B];
+        l.g.bank_down_b    = l.bank[EXP_DOWN_B];
+        l.g.bank_gate_up_b = l.bank[EXP_GATE_UP_B];
+        l.g.host_gate_b    = l.host[EXP_GATE_B];
+        l.g.host_up_b      = l.host[EXP_UP_B];
+        l.g.host_down_b    = l.host[EXP_DOWN_B];
+        l.g.host_gate_up_b = l.host[EXP_GATE_UP_B];
+        if (n_slots[i] > 0) {
+            l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, rt.decode_max);
+            ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
+        }
+        l.n_slots = n_slots[i];
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(layers[0]->dev));
+    if (buf == nullptr) {
+        ggml_free(ctx);
+        for (rt_layer * l : layers) {
+            l->g = {};
+            std::fill(std::begin(l->bank), std::end(l->bank), nullptr);
+            l->n_slots = 0;
+        }
+        return false;
+    }
+    // weights to the scheduler: a matmul reading a bank is assigned to its device, as one reading a device weight
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_buffer_clear(buf, 0); // slots in range before the first plan
+    rt.ctxs.push_back(ctx);
+    rt.bufs.push_back(buf);
+    return true;
+}
+
+llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends) {
+    const int64_t budget_mib = std::min<int64_t>(llama_moe_cache_context_mib(), (int64_t) 1 << 30); // 1 PiB: no overflow
+    if (budget_mib <= 0) {
+        return nullptr;
+    }
+    const llama_hparams & hp = model.hparams;
+    auto rt = std::make_unique<llama_moe_cache_rt>();
+    rt->decode_max = decode_max_tokens();
+    rt->index.assign(hp.n_layer(), -1);
+
+    // the candidate layers, grouped by device
+    std::vector<rt_layer> cand;
+    std::string why_none;
+    for (int32_t il = 0; il < (int32_t) hp.n_layer(); il++) {
+        rt_layer l;
+        l.il     = il;
+        l.n_used = (int32_t) hp.n_expert_used(il);
+        l.n_expert = (int32_t) hp.n_expert;
+        const char * why = layer_unfit(model, il, l);
+        if (why == nullptr) {
+            cand.push_back(l);
+        } else if (strcmp(why, "dense") != 0 && strcmp(why, "on a device") != 0 && why_none.empty()) {
+            why_none = std::string("layer ") + std::to_string(il) + "'s experts are " + why;
+        }
+    }
+    if (cand.empty()) {
+        LLAMA_LOG_INFO("llama_moe: expert cache of %" PRId64 " MiB not made: %s\n", budget_mib,
+                why_none.empty() ? "no MoE layer has its experts on the host (all are on a device already)" : why_none.c_str());
+        return nullptr;
+    }
+
+    std::vector<ggml_backend_dev_t> devs;
+    for (const rt_layer & l : cand) {
+        if (std::find(devs.begin(), devs.end(), l.dev) == devs.end()) {
+            devs.push_back(l.dev);
+        }
+    }
+    rt->layers = cand;
+    std::vector<llama_moe_cache_layer_desc> descs(rt->layers.size());
+    std::vector<int32_t> n_slots_all(rt->layers.size(), 0);
+    for (ggml_backend_dev_t dev : devs) {
+        std::vector<size_t> idx;
+        std::vector<llama_moe_cache_layer_desc> dd;
+        for (size_t i = 0; i < rt->layers.size(); i++) {
+            rt_layer & l = rt->layers[i];
+            if (l.dev != dev) {
+                continue;
+            }
+            l.backend = nullptr;
+            for (ggml_backend_t be : backends) {
+                if (ggml_backend_get_device(be) == dev) {
+                    l.backend = be;
+                }
+            }
+            GGML_ASSERT(l.backend != nullptr && "the device of a layer has a backend in the context");
+            const size_t overhead = (size_t) l.n_expert * rt->decode_max * sizeof(int32_t); // the slot map
+            descs[i] = { l.il, (int32_t) l.host[EXP_DOWN]->ne[2], layer_expert_bytes(l), overhead, layer_n_tensors(l) };
+            idx.push_back(i);
+            dd.push_back(descs[i]);
+        }
+        size_t budget = (size_t) budget_mib * 1024 * 1024;
+        size_t free_mem = 0, total_mem = 0;
+        ggml_backend_dev_memory(dev, &free_mem, &total_mem);
+        if (free_mem > 0 && budget + CACHE_FREE_MARGIN > free_mem) {
+            const size_t cap = free_mem > CACHE_FREE_MARGIN ? free_mem - CACHE_FREE_MARGIN : 0;
+            LLAMA_LOG_WARN("llama_moe: expert cache on %s shrunk from %" PRId64 " MiB to %.2f MiB: %.2f MiB free, less a %.0f MiB margin\n",
+                    ggml_backend_dev_name(dev), budget_mib, mib(cap), mib(free_mem), mib(CACHE_FREE_MARGIN));
+            budget = cap;
+        }
+        // a bank that does not fit after all (the free memory is a hint) halves the budget, down to nothing
+        for (;;) {
+            llama_moe_cache_sizing sz = llama_moe_cache_size_banks(budget, dd, (int32_t) hp.n_expert_used_max());
+            if (sz.n_layers == 0) {
+                LLAMA_LOG_WARN("llama_moe: no expert cache on %s: %s\n", ggml_backend_dev_name(dev), sz.reason.c_str());
+                break;
+            }
+            std::vector<rt_layer *> ls;
+            for (size_t k : idx) {
+                ls.push_back(&rt->layers[k]);
+            }
+            if (alloc_device(*rt, ls, sz.n_slots)) {
+                for (size_t j = 0; j < idx.size(); j++) {
+                    n_slots_all[idx[j]] = sz.n_slots[j];
+                }
+                int32_t smin = INT32_MAX, smax = 0;
+                for (int32_t s : sz.n_slots) {
+                    smin = std::min(smin, s);
+                    smax = std::max(smax, s);
+                }
+                LLAMA_LOG_INFO("llama_moe: expert cache on %s: %.2f MiB, %d MoE layers with their experts on the host, "
+                        "%d-%d of %d expert slots each; graphs of up to %d tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)\n",
+                        ggml_backend_dev_name(dev), mib(sz.bytes_used), sz.n_layers, smin, smax, dd[0].n_expert, rt->decode_max);
+                break;
+            }
+            LLAMA_LOG_WARN("llama_moe: expert cache of %.2f MiB does not fit on %s: trying half\n", mib(budget),
+                    ggml_backend_dev_name(dev));
+            budget /= 2;
+        }
+    }
+
+    // keep the layers that got slots
+    std::vector<rt_layer> kept;
+    std::vector<llama_moe_cache_layer_desc> kept_descs;
+    llama_moe_cache_sizing kept_sizing;
+    for (size_t i = 0; i < rt->layers.size(); i++) {
+        if (n_slots_all[i] > 0) {
+            kept.push_back(rt->layers[i]);
+            kept_descs.push_back(descs[i]);
+            kept_sizing.n_slots.push_back(n_slots_all[i]);
+            kept_sizing.bytes.push_back(0);
+        }
+    }
+    if (kept.empty()) {
+        return nullptr;
+    }
+    kept_sizing.n_layers = (int32_t) kept.size();
+    rt->layers = std::move(kept);
+    for (size_t i = 0; i < rt->layers.size(); i++) {
+        rt->index[rt->layers[i].il] = (int32_t) i;
+    }
+    rt->plan = std::make_unique<llama_moe_cache>(kept_descs, kept_sizing);
+    rt->plan->debug_skip_fill = llama_moe_cache_debug_skip_fill();
+    return rt.release();
+}
+
+static void log_summary(const llama_moe_cache_rt & rt) {
+    const llama_moe_cache_stats d = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_DECODE);
+    const uint64_t routed = d.n_hits + d.n_misses;
+    LLAMA_LOG_INFO("llama_moe: expert cache, decode: %" PRIu64 " layer steps, %" PRIu64 " hits, %" PRIu64 " misses (hit rate %.1f%%), "
+            "%" PRIu64 " on the staging path, %.2f MiB uploaded in %" PRIu64 " copies\n",
+            d.n_ubatches, d.n_hits, d.n_misses, routed ? 100.0 * d.n_hits / routed : 0.0, d.n_overflow,
+            mib(d.bytes_uploaded), d.n_copy_calls);
+}
+
+void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
+    if (rt == nullptr) {
+        return;
+    }
+    log_summary(*rt);
+    delete rt;
+}
+
+const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
+        int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool * staging) {
+    *staging = false;
+    // n_tokens 0: the last layer of a ubatch none of whose tokens is an output (llama.cpp drops the rows nobody reads)
+    if (rt == nullptr || il < 0 || il >= (int32_t) rt->index.size() || rt->index[il] < 0 || n_tokens < 1 ||
+            n_tokens > rt->decode_max) {
+        return nullptr;
+    }
+    rt_layer & l = rt->layers[rt->index[il]];
+    // a call that routes to another number of experts (llama.cpp's warmup routes to all of them) or over another
+    // expert count, or with other tensors, takes the host path
+    if (n_expert_used != l.n_used || n_expert != l.n_expert || gate_exps != l.host[EXP_GATE] || up_exps != l.host[EXP_UP] ||
+            down_exps != l.host[EXP_DOWN] || gate_up_exps != l.host[EXP_GATE_UP]) {
+        return nullptr;
+    }
+    // the plan must never overflow: every expert the tokens may route to fits the slots. A graph that could
+    // overflow takes the staging path (the host weights) for the layer.
+    if (n_tokens * l.n_used > l.n_slots) {
+        *staging = true;
+        return nullptr;
+    }
+    return &l.g;
+}
+
+void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
+        int32_t il, bool banks) {
+    GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
+    GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->ne[0] == rt->layers[rt->index[il]].n_used && ids->nb[0] == sizeof(int32_t));
+    routes.push_back({ at, ids, il, banks });
+}
+
+// reads a routing (computed, its device synchronized) and plans its layer: uploads the misses and the slot map
+static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r) {
+    rt_layer & l = rt.layers[rt.index[r.il]];
+    const ggml_tensor * t = r.ids;
+    const int64_t n_tokens = t->ne[1];
+    const int64_t stride   = (int64_t) (t->nb[1] / sizeof(int32_t));
+    GGML_ASSERT(n_tokens >= 1 && n_tokens <= rt.decode_max);
+    // the rows of a view of the argsort: read the span they cover
+    const size_t span = (size_t) ((n_tokens - 1) * t->nb[1] + t->ne[0] * sizeof(int32_t));
+    rt.ids_host.resize(span / sizeof(int32_t) + 1);
+    ggml_backend_tensor_get(t, rt.ids_host.data(), 0, span);
+
+    if (!r.banks) {
+        rt.plan->note_staging(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride);
+        return;
+    }
+    const bool ok = rt.plan->plan_decode(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride, rt.dplan);
+    GGML_ASSERT(ok && "a graph whose experts may not fit the slots reads the banks"); // see graph_layer_for
+
+    // the fills, in runs of consecutive experts into consecutive slots (as the stats count the copies)
+    std::vector<llama_moe_cache_fill> & fills = rt.dplan.fills;
+    std::sort(fills.begin(), fills.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
+        return a.slot < b.slot;
+    });
+    for (size_t i = 0; i < fills.size(); ) {
+        size_t j = i + 1;
+        while (j < fills.size() && fills[j].slot == fills[j - 1].slot + 1 && fills[j].expert == fills[j - 1].expert + 1) {
+            j++;
+        }
+        for (int k = 0; k < EXP_COUNT; k++) {
+            if (l.bank[k] == nullptr) {
+                continue;
+            }
+            const size_t nb = l.host[k]->nb[expert_dim(k)];
+            ggml_backend_tensor_set_async(l.backend, l.bank[k], (const char *) l.host[k]->data + (size_t) fills[i].expert * nb,
+                    (size_t) fills[i].slot * nb, (j - i) * nb);
+        }
+        i = j;
+    }
+    // the slot of every expert, one row per token (get_rows reads row t for token t); experts not resident map to
+    // slot 0, never read: every routed expert is resident
+    const llama_moe_cache_layer & pl = *rt.plan->layer(r.il);
+    l.slot_map_host.resize((size_t) n_tokens * l.n_expert);
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        l.slot_map_host[e] = std::max(pl.slot_of[e], 0);
+    }
+    for (int64_t tk = 1; tk < n_tokens; tk++) {
+        std::copy(l.slot_map_host.begin(), l.slot_map_host.begin() + l.n_expert, l.slot_map_host.begin() + tk * l.n_expert);
+    }
+    ggml_backend_tensor_set_async(l.backend, l.g.slot_map, l.slot_map_host.data(), 0, l.slot_map_host.size() * sizeof(int32_t));
+}
+
+static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, const ggml_tensor * t) {
+    for (const llama_moe_cache_route & r : *rt.routes) {
+        if (r.at == t) {
+            return &r;
+        }
+    }
+    return nullptr;
+}
+
+static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
+    llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
+    const llama_moe_cache_route * r = route_at(rt, t);
+    // the user's answer to "ask" for this node decides whether it sees the computed node too
+    const bool user_wants = rt.user_cb != nullptr && rt.user_cb(t, true, rt.user_data);
+    if (ask) {
+        return r != nullptr || user_wants;
+    }
+    if (r != nullptr) {
+        plan_route(rt, *r);
+    }
+    return user_wants ? rt.user_cb(t, false, rt.user_data) : true;
+}
+
+void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
+        ggml_backend_sched_eval_callback user_cb, void * user_data) {
+    if (rt == nullptr || routes.empty()) {
+        ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
+        return;
+    }
+    rt->routes    = &routes;
+    rt->user_cb   = user_cb;
+    rt->user_data = user_data;
+    ggml_backend_sched_set_eval_callback(sched, eval_callback, rt);
+}
+
+std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> llama_moe_cache_memory(const llama_moe_cache_rt * rt) {
+    std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> out;
+    if (rt != nullptr) {
+        for (ggml_backend_buffer_t b : rt->bufs) {
+            out.emplace_back(ggml_backend_buffer_get_type(b), ggml_backend_buffer_get_size(b));
+        }
+    }
+    return out;
+}
+
+int32_t llama_moe_cache_counters_of(const llama_moe_cache_rt * rt, int32_t il, int32_t phase, llama_moe_cache_counters * out) {
+    if (rt == nullptr || phase < 0 || phase >= LLAMA_MOE_CACHE_PHASE_COUNT) {
+        return rt ? (int32_t) rt->layers.size() : 0;
+    }
+    if (il < 0 || (il < (int32_t) rt->index.size() && rt->index[il] >= 0)) {
+        const llama_moe_cache_stats s = rt->plan->get_stats(il, (llama_moe_cache_phase) phase);
+        *out = { s.n_ubatches, s.n_hits, s.n_misses, s.n_overflow, s.n_fills, s.n_evictions, s.bytes_uploaded,
+                 s.bytes_copied, s.n_copy_calls };
+    }
+    return (int32_t) rt->layers.size();
+}

@@ -1,0 +1,94 @@
+// llama-moe-cache-rt.h (internal): the MoE expert cache of a context, wired to the graph and the scheduler
+// (pyllama_moe, issue 12).
+//
+// llama-moe-cache.h decides which experts are resident; this part owns the device banks that hold them and moves
+// the bytes. For each MoE layer whose expert tensors stay on the host and whose other weights are on a GPU, the
+// context allocates, on that GPU, one bank per expert tensor ([ne0, ne1, n_slots], the tensor's type; per-expert
+// biases on the host get banks too) and a slot map ([1, n_expert, decode_max] I32).
+//
+// Decode with a host-side plan: a graph of at most decode_max tokens (LLAMA_MOE_CACHE_DECODE_MAX, default 8: the
+// batches CUDA computes with its matrix-vector kernels, whose bytes do not depend on the number of experts in the
+// weight) whose tokens' experts always fit the layer's slots (n_tokens x n_expert_used <= n_slots) reads the
+// layer's experts from the banks: ggml_mul_mat_id(bank, cur, get_rows(slot_map, ids)). The router's ids are read
+// back through the scheduler's eval callback once the routing weights are computed (the end of what CUDA fuses into
+// one kernel), the plan (CLOCK) picks slots, the misses are uploaded from the host tensors into their slots and the
+// slot map written, all on the stream that computes the layer, before the rest of the graph runs. Every other graph
+// (prompts, and batches whose experts may not fit: the staging path, counted) uses the host weights as before.
+// Per-expert scales and LoRA keep the router's ids.
+//
+// Knob: llama_moe_default_set_moe_cache_mib (llama-moe.h, --moe-cache-mib) > LLAMA_MOE_CACHE_MIB > 0 (off). The
+// budget is per device; one larger than the device's free memory less 512 MiB is shrunk to it, with a warning.
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+struct llama_model;
+struct llama_moe_cache_rt;
+
+// the graph's view of one cached layer: what build_moe_ffn reads instead of the host expert tensors
+struct llama_moe_cache_graph_layer {
+    ggml_tensor * bank_gate    = nullptr; // each nullptr where the layer has no such expert tensor
+    ggml_tensor * bank_up      = nullptr;
+    ggml_tensor * bank_down    = nullptr;
+    ggml_tensor * bank_gate_up = nullptr;
+    // the per-expert biases, where the layer's are on the host (else the graph adds the layer's own with the router's
+    // ids); host_*_b: the tensors they copy
+    ggml_tensor * bank_gate_b    = nullptr;
+    ggml_tensor * bank_up_b      = nullptr;
+    ggml_tensor * bank_down_b    = nullptr;
+    ggml_tensor * bank_gate_up_b = nullptr;
+    const ggml_tensor * host_gate_b    = nullptr;
+    const ggml_tensor * host_up_b      = nullptr;
+    const ggml_tensor * host_down_b    = nullptr;
+    const ggml_tensor * host_gate_up_b = nullptr;
+    // I32 [1, n_expert, decode_max]: the slot of each expert, one row per token, written by the plan; the graph
+    // takes slot ids = get_rows(slot_map, router ids), so the matmuls depend on the router's output (and keep it
+    // alive until the plan has read it)
+    ggml_tensor * slot_map = nullptr;
+};
+
+// a router output of one graph that the cache reads back once the node `at` (the end of the routing, the last node
+// of what CUDA fuses) is computed: the ids, their layer, and whether the layer reads the banks (else the graph
+// could not promise that its experts fit the slots and the layer takes the staging path, counted as such)
+struct llama_moe_cache_route {
+    ggml_tensor * at;
+    ggml_tensor * ids;
+    int32_t       il;
+    bool          banks;
+};
+using llama_moe_cache_routes = std::vector<llama_moe_cache_route>;
+
+// end of the llama_context constructor: the cache of the budget in effect (logged once), or nullptr when off, when
+// no MoE layer has its experts on the host next to a GPU, or when nothing fits
+// backends: the context's (the scheduler's, created later from them), one of which computes each cached layer
+llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends);
+
+// ~llama_context, after its queued work is done: logs the summary of the stats, frees the banks
+void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt);
+
+// build_moe_ffn: the banks layer il reads in a graph of n_tokens tokens, or nullptr (host weights): only for the
+// layer's own expert tensors routed to its number of experts (a call with other experts, or llama.cpp's warmup that
+// routes to all of them, reads the host weights). *staging: the layer is cached but the graph is too large for its
+// slots (the staging path), to be counted.
+const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
+        int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool * staging);
+// a layer the cache reads (banks) or counts (staging) records its routing, so the eval callback plans it
+void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
+        int32_t il, bool banks);
+
+// llama_context::process_ubatch, before the graph computes: the scheduler's eval callback for this graph, the cache's
+// (which calls the user's after it) where the graph has routes, else the user's alone
+void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
+        ggml_backend_sched_eval_callback user_cb, void * user_data);
+
+// llama_moe_cache_get_counters: the planner's stats of layer il (< 0: all) and phase; returns the cached layers
+int32_t llama_moe_cache_counters_of(const llama_moe_cache_rt * rt, int32_t il, int32_t phase, struct llama_moe_cache_counters * out);
+
+// llama_context::memory_breakdown: the banks' buffers, counted with the context's memory (they live as long as it)
+std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> llama_moe_cache_memory(const llama_moe_cache_rt * rt);
