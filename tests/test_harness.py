@@ -30,20 +30,30 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
     for cell in identity:
         checks = {c["name"]: c for c in cell["checks"]}
         sim = cell["cell"]["backend"] != "cpu"
-        expected = {"logits", "text", "perplexity"} | ({"sim-races"} if sim else set())
+        expected = {"logits", "text", "decode-logits"} | ({"perplexity"} if cell["cell"]["perplexity"] else set())
+        expected |= {"sim-races"} if sim else set()
         # experts on the host of a SIM cell with mmap: they must have been page-locked in place
         expected |= {"pinned"} if sim and cell["cell"]["load"] == "mmap" and cell["cell"]["offload"] != "all" else set()
         # with the prefetch forced on, a sim cell also proves the copies went ahead (or, below the batch, did not)
         expected |= {"prefetch"} if sim and cell["cell"]["knobs"].startswith("prefetch") else set()
+        # with the expert cache on, banks were made and decode read them
+        expected |= {"cache"} if cell["cell"]["knobs"] == "moe-cache" else set()
         assert set(checks) == expected and all(c["identical"] for c in checks.values())
-        assert checks["logits"]["detail"]["positions"] == 600 and checks["text"]["detail"]["tokens"] == 128
+        assert checks["logits"]["detail"]["positions"] == 600
+        generate = cell["cell"]["generate"]
+        assert checks["text"]["detail"]["tokens"] == generate and checks["decode-logits"]["detail"]["steps"] == generate - 1
     controls = {c["cell"]["name"]: c for c in cells if c["cell"]["expect"] == "mismatch"}
-    assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait"}
-    for control in controls.values():
+    assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait", "control/sim-moe-cache-stale"}
+    for name, control in controls.items():
         assert control["status"] == "pass"
-        logits = next(c for c in control["checks"] if c["name"] == "logits")
-        assert not logits["identical"]
-        assert logits["detail"]["first_diff_pos"] is not None
+        checks = {c["name"]: c for c in control["checks"]}
+        if name == "control/sim-moe-cache-stale":
+            # the prompt takes the host path; what the stale slot changed is the decode
+            assert checks["logits"]["identical"] and not checks["decode-logits"]["identical"]
+            assert checks["cache"]["identical"]
+            continue
+        assert not checks["logits"]["identical"]
+        assert checks["logits"]["detail"]["first_diff_pos"] is not None
     repack = next(c for c in controls["control/repack-on-vs-off"]["checks"] if c["name"] == "logits")["detail"]
     assert repack["max_abs"] > 0 and 0 <= repack["top1_agreement"] <= 1 and repack["mean_kld"] > 0
 
