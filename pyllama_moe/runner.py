@@ -39,6 +39,7 @@ class RunSpec:
     eval_callback: int = 0  # observe every Nth node: the scheduler's chunked compute path (0: no callback)
     stats: bool = False     # report llama-moe.h stats of the prompt and of the generation (patched builds)
     prefetch: dict[str, int] | None = None  # per-context llama_moe_set_prefetch_params fields (patched builds)
+    moe_cache_mib: int | None = None  # per-context llama_moe_set_moe_cache_mib (patched builds)
 
 
 @dataclass
@@ -82,7 +83,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "cpu_moe": spec.cpu_moe, "n_cpu_moe": spec.n_cpu_moe, "load_mode": spec.load_mode,
                "repack": spec.repack, "n_ubatch": spec.n_ubatch, "n_batch": spec.n_batch, "threads": spec.threads,
                "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None,
-               "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch}
+               "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch,
+               "moe_cache_mib": spec.moe_cache_mib}
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits else None

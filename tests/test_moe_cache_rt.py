@@ -21,9 +21,9 @@ def model():
     return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
-def _run(build, src, model, env, cpu_moe=True, stats=True):
+def _run(build, src, model, env, cpu_moe=True, stats=True, moe_cache_mib=None):
     spec = runner.RunSpec(model=model, tokens=TOKENS, cpu_moe=cpu_moe, load_mode="none", repack=False, threads=2,
-                          generate=N_GEN, stats=stats, env={**SIM_ENV, **env})
+                          generate=N_GEN, stats=stats, env={**SIM_ENV, **env}, moe_cache_mib=moe_cache_mib)
     return runner.run(build, src, spec)
 
 
@@ -67,3 +67,16 @@ def test_what_is_not_made_is_said(patched_build, src, model, reference, env, cpu
     got = _run(patched_build, src, model, env, cpu_moe=cpu_moe)
     assert said in got.log
     assert got.generated == reference.generated
+
+
+def test_the_per_context_budget_beats_the_environment(patched_build, src, model, reference):
+    # the environment makes a 1 MiB cache too small for any layer; the context's own 3 MiB replaces it
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "1"}, moe_cache_mib=3)
+    assert "no expert cache on SIM0: a budget of 1.00 MiB is below" in got.log
+    assert "expert cache on SIM0: 2.9" in got.log
+    assert got.stats["generate"]["cache_layers"] == 4 and got.stats["generate"]["cache_decode"]["n_ubatches"] > 0
+    assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+    # and 0 removes a cache the environment made: the decode takes the host path
+    off = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2"}, moe_cache_mib=0)
+    assert "expert cache on SIM0: 1.99 MiB" in off.log and off.stats["generate"]["cache_layers"] == 0
+    assert off.generated == reference.generated

@@ -119,6 +119,11 @@ LLAMA_MOE_API int64_t llama_moe_default_get_pin_budget_mib(void);
 // sets it (0 off), -1 unsets it (then LLAMA_MOE_CACHE_MIB, then 0). The getter returns the value in effect.
 LLAMA_MOE_API void    llama_moe_default_set_moe_cache_mib(int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_default_get_moe_cache_mib(void);
+// Per context: replaces the context's cache by one of this budget (>= 0; 0 removes it; -1: the process default);
+// its residents and counters start over, and the graphs are rebuilt at the next decode. The getter returns the
+// budget the context's cache was made with, 0 when it has none (off, or nothing to cache: the log says why).
+LLAMA_MOE_API void    llama_moe_set_moe_cache_mib(struct llama_context * ctx, int64_t mib);
+LLAMA_MOE_API int64_t llama_moe_get_moe_cache_mib(const struct llama_context * ctx);
 
 // Counters of a context's cache since it was created: per layer (il >= 0) or summed over layers (il < 0), and phase
 // (0 prompt, 1 decode). Experts are counted once per ubatch and layer; bytes over all of a layer's expert tensors.

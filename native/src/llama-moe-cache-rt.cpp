@@ -49,6 +49,7 @@ struct llama_moe_cache_rt {
     std::unique_ptr<llama_moe_cache> plan;
     std::vector<rt_layer> layers;
     std::vector<int32_t>  index;      // [n_layer] into layers, or -1
+    int64_t budget_mib = 0;
     int32_t decode_max = 8;
 
     std::vector<ggml_context *> ctxs; // the banks' tensors, one context per device
@@ -213,13 +214,15 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
     return true;
 }
 
-llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends) {
-    const int64_t budget_mib = std::min<int64_t>(llama_moe_cache_context_mib(), (int64_t) 1 << 30); // 1 PiB: no overflow
+llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends,
+        int64_t budget_mib) {
+    budget_mib = std::min<int64_t>(budget_mib, (int64_t) 1 << 30); // 1 PiB: no overflow in bytes
     if (budget_mib <= 0) {
         return nullptr;
     }
     const llama_hparams & hp = model.hparams;
     auto rt = std::make_unique<llama_moe_cache_rt>();
+    rt->budget_mib = budget_mib;
     rt->decode_max = decode_max_tokens();
     rt->index.assign(hp.n_layer(), -1);
 
@@ -472,6 +475,10 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     rt->user_cb   = user_cb;
     rt->user_data = user_data;
     ggml_backend_sched_set_eval_callback(sched, eval_callback, rt);
+}
+
+int64_t llama_moe_cache_budget_mib(const llama_moe_cache_rt * rt) {
+    return rt ? rt->budget_mib : 0;
 }
 
 std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> llama_moe_cache_memory(const llama_moe_cache_rt * rt) {

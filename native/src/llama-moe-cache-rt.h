@@ -65,8 +65,12 @@ using llama_moe_cache_routes = std::vector<llama_moe_cache_route>;
 
 // end of the llama_context constructor: the cache of the budget in effect (logged once), or nullptr when off, when
 // no MoE layer has its experts on the host next to a GPU, or when nothing fits
-// backends: the context's (the scheduler's, created later from them), one of which computes each cached layer
-llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends);
+// backends: the context's (the scheduler's), one of which computes each cached layer; budget_mib per device, <= 0 off
+llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends,
+        int64_t budget_mib);
+
+// the budget the cache was made with (MiB per device), 0 for none
+int64_t llama_moe_cache_budget_mib(const llama_moe_cache_rt * rt);
 
 // ~llama_context, after its queued work is done: logs the summary of the stats, frees the banks
 void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt);

@@ -253,6 +253,27 @@ int64_t llama_moe_default_get_moe_cache_mib(void) {
     return llama_moe_cache_context_mib();
 }
 
+void llama_moe_set_moe_cache_mib(llama_context * ctx, int64_t mib) {
+    if (mib < 0) {
+        mib = llama_moe_cache_context_mib();
+    }
+    ggml_backend_sched_t sched = ctx->get_sched();
+    if (sched == nullptr) {
+        return; // a context that only measures memory has no cache
+    }
+    // the old banks go first: the new ones may need their memory
+    ctx->set_moe_cache(nullptr);
+    std::vector<ggml_backend_t> backends;
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
+        backends.push_back(ggml_backend_sched_get_backend(sched, i));
+    }
+    ctx->set_moe_cache(llama_moe_cache_ctx_init(ctx->get_model(), backends, mib));
+}
+
+int64_t llama_moe_get_moe_cache_mib(const llama_context * ctx) {
+    return llama_moe_cache_budget_mib(ctx->get_cparams().moe_cache);
+}
+
 int32_t llama_moe_cache_get_counters(const llama_context * ctx, int32_t il, int32_t phase, llama_moe_cache_counters * out) {
     *out = {};
     return llama_moe_cache_counters_of(ctx->get_cparams().moe_cache, il, phase, out);

@@ -2,7 +2,7 @@
 
 Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
-"prefetch". Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats".
+"prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds). Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats".
 """
 
 from __future__ import annotations
@@ -40,12 +40,14 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
-        moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch")) else None
+        moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch") or req.get("moe_cache_mib") is not None) else None
         batch = L.llama_batch_init(n_batch, 0, 1)
         reply: dict = {"n_tokens": len(tokens), "n_vocab": n_vocab}
         try:
             if req.get("prefetch"):
                 moe.set_prefetch(req["prefetch"])
+            if req.get("moe_cache_mib") is not None:
+                moe.lib.llama_moe_set_moe_cache_mib(moe.ctx, int(req["moe_cache_mib"]))
             if moe and req.get("stats"):
                 moe.reset_stats()
             logits = _decode(L, ctx, batch, tokens, 0, bool(req.get("logits_out")), n_batch, n_vocab)
