@@ -68,11 +68,11 @@ def logit_diagnostics(base: np.ndarray, cand: np.ndarray) -> dict:
     }
 
 
-def _perplexity_args(cell: Cell, model: Path, corpus: Path, repack: bool, threads: int) -> list[str]:
+def _perplexity_args(cell: Cell, model: Path, corpus: Path, repack: bool, threads: int, baseline: bool) -> list[str]:
     args = ["-m", str(model), "-f", str(corpus), "-c", str(cell.ppl_ctx), "-b", str(cell.ppl_ctx),
             "-ub", str(min(cell.ubatch, cell.ppl_ctx)), "--chunks", "2", "-t", str(threads), "--fit", cell.fit,
             "-lm", cell.load, "--no-warmup"]
-    place = cell.placement()
+    place = cell.placement(baseline)
     args += ["-ngl", str(place.get("n_gpu_layers", 99))]
     if place.get("cpu_moe"):
         args.append("-cmoe")
@@ -130,14 +130,15 @@ class Harness:
             env.update(self.matrix.sim_env, GGML_SIM_DEVICES=str(SIM_DEVICES[cell.backend]))
         common = dict(model=model, prompt=prompt, n_ubatch=cell.ubatch, n_batch=max(cell.ubatch, 2048),
                       load_mode=cell.load, threads=self.threads, generate=cell.generate,
-                      max_prompt_tokens=cell.prompt_tokens, eval_callback=cell.eval_callback, **cell.placement())
-        base = runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common))
+                      max_prompt_tokens=cell.prompt_tokens, eval_callback=cell.eval_callback)
+        base = runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common,
+                                                               **cell.placement(baseline=True)))
         cand_env = {**env, "GGML_SIM_OPLOG": str(oplog)} if oplog else env
         # mode 1 (the default) prefetches on CUDA-family devices only, mode 2 on sim devices too
         mode = env.get("GGML_SCHED_PREFETCH", "1")
         prefetch_on = cell.candidate == "patched" and (mode == "2" or (mode == "1" and cell.backend == "cuda"))
         cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env,
-                                                               stats=prefetch_on, **common))
+                                                               stats=prefetch_on, **common, **cell.placement()))
         checks = []
         if cell.candidate == "patched" and cell.backend != "cpu" and cell.load == "mmap" and cell.offload != "all":
             checks.append(pin_check(cand.log, budget_mib=_float_or_none(env.get("LLAMA_MOE_PIN_BUDGET_MIB"))))
@@ -187,8 +188,8 @@ class Harness:
         run_env = dict(os.environ)
         with tempfile.TemporaryDirectory(prefix="pyllama-moe-ppl-") as tmp:
             base_file, cand_file = str(Path(tmp) / "base.kld"), str(Path(tmp) / "candidate.kld")
-            base_args = _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads)
-            cand_args = _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads)
+            base_args = _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads, True)
+            cand_args = _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads, False)
             base_out = _run_perplexity(base_build, base_args + ["--kl-divergence-base", base_file], run_env)
             cand_out = _run_perplexity(cand_build, cand_args + ["--kl-divergence-base", cand_file], {**run_env, **env})
             digests = []

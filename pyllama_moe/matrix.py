@@ -30,6 +30,8 @@ EXPECTS = ("identical", "mismatch")
 class Cell:
     model: str
     offload: str = "cpu-moe"  # all | cpu-moe | ncmoe-N | ngl-N
+    # the baseline's placement where it differs (e.g. "all": what a path computing host experts on a GPU must equal)
+    baseline_offload: str = ""
     ubatch: int = 512
     load: str = "mmap"
     knobs: str = "off"  # a name from [knobs]: environment for the candidate
@@ -59,13 +61,14 @@ class Cell:
         """The backend the builds of this cell are made for: sim devices live in the CPU build."""
         return "cuda" if self.backend == "cuda" else "cpu"
 
-    def placement(self) -> dict:
-        """RunSpec fields for the offload column."""
-        if self.offload == "all":
+    def placement(self, baseline: bool = False) -> dict:
+        """RunSpec fields for the offload column, or for the baseline's where it has one of its own."""
+        offload = self.baseline_offload if baseline and self.baseline_offload else self.offload
+        if offload == "all":
             return {}
-        if self.offload == "cpu-moe":
+        if offload == "cpu-moe":
             return {"cpu_moe": True}
-        kind, _, n = self.offload.partition("-")
+        kind, _, n = offload.partition("-")
         return {"n_cpu_moe": int(n)} if kind == "ncmoe" else {"n_gpu_layers": int(n)}
 
 
@@ -139,9 +142,10 @@ class Matrix:
                 raise bad(f"unknown build {variant!r}", ("master", "patched"))
         if cell.backend in SIM_DEVICES and cell.candidate != "patched":
             raise bad(f"a {cell.backend} cell needs the patched build as candidate, not {cell.candidate!r}", ("patched",))
-        kind, _, n = cell.offload.partition("-")
-        if cell.offload not in ("all", "cpu-moe") and not (kind in ("ncmoe", "ngl") and n.isdigit()):
-            raise bad(f"unknown offload {cell.offload!r}", ("all", "cpu-moe", "ncmoe-N", "ngl-N"))
+        for offload in filter(None, (cell.offload, cell.baseline_offload)):
+            kind, _, n = offload.partition("-")
+            if offload not in ("all", "cpu-moe") and not (kind in ("ncmoe", "ngl") and n.isdigit()):
+                raise bad(f"unknown offload {offload!r}", ("all", "cpu-moe", "ncmoe-N", "ngl-N"))
         if cell.fit not in ("on", "off"):
             raise bad(f"unknown fit {cell.fit!r}", ("on", "off"))
 

@@ -9,6 +9,10 @@
 #                                        (cuda/qwen3moe/cpu-moe/ub512/mmap/pin-budget)
 #   experts-at-scale.sh:pin              issue 11 item 1: a partial pin of the tiny and the 30B model, greedy text
 #                                        equal to the run with pinning off
+#   cache.sh:identity                    issue 12: the expert cache's CUDA cells against master all on the GPU, and
+#                                        memcheck over a decode that evicts every token
+#   cache.sh:tg                          issue 12: tg128 at skew 0.5 with the cache at half the expert bytes against
+#                                        master, and the hit rate
 # Done in the fifth session (add them to STEPS to rerun): bench-stats.sh:rows-mmap, prefetch.sh:sanitizer-pieces,
 # prefetch.sh:staging, experts-at-scale.sh:share; in the fourth: bench-stats.sh:target planted self and the pp4096
 # rows of bench-stats.sh:rows; in the third: prefetch.sh:sanitizer, bench-stats.sh:rows-short.
@@ -26,7 +30,7 @@ follow)
 all)
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
     export MINBATCH_SKEWS=${MINBATCH_SKEWS:-0.5} MINBATCH_EARLIER=${MINBATCH_EARLIER:-results/minbatch-s5-skew0.json}
-    for s in ${STEPS:-experts-at-scale.sh:minbatch prefetch.sh:identity experts-at-scale.sh:pin}; do
+    for s in ${STEPS:-experts-at-scale.sh:minbatch prefetch.sh:identity experts-at-scale.sh:pin cache.sh:identity cache.sh:tg}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"
     done

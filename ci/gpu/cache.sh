@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 12 on the GPU machine: the expert cache (decode with a host-side plan) on CUDA. Prepare on the CPU machine as
+# prefetch.sh says; the steps run after `prefetch.sh build` (or in ci/gpu/open-issues.sh):
+#   identity   compare --subset moe-cache: the cache's cells on CUDA (the SIM ones run in CI), every check byte for
+#              byte against master, and the stale-slot control; then compute-sanitizer memcheck over a decode that
+#              evicts every token
+#   tg         tg128 with every expert on the host, the Qwen3-30B-A3B shape with routing skew 0.5, the cache at half
+#              the expert bytes (LLAMA_MOE_CACHE_MIB, default 7800 of 16.3 GB) against master, paced, with
+#              intervals; then one llama-completion run for the hit rate of the context's summary line
+set -uo pipefail
+step=${1:?usage: cache.sh identity|tg}
+. "$(dirname "$0")/common.sh"
+CACHE_MIB=${CACHE_MIB:-7800}
+
+case $step in
+identity)
+    wait_builds 300 || exit 1
+    timeout 300 python3 -m pyllama_moe compare --subset moe-cache --archive-dir $A --json "$OUT/identity-moe-cache.json" \
+        2>&1 | tee "$OUT/identity-moe-cache.txt"
+    P=$(patched_bin)
+    tiny_prompt
+    LLAMA_MOE_CACHE_MIB=2 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$P/llama-completion" -m "$SMALL" \
+        -ngl 99 -cmoe -ub 512 -f /tmp/prompt.txt -n 64 --temp 0 --fit off -no-cnv -v > "$OUT/sanitizer-moe-cache.txt" 2>&1
+    echo "compute-sanitizer memcheck (expert cache, 2 MiB): exit $?"
+    grep -E "ERROR SUMMARY|llama_moe: expert cache" "$OUT/sanitizer-moe-cache.txt" | head -4
+    ;;
+tg)
+    wait_builds 60 || exit 1
+    M=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
+    if [ ! -f "$M" ]; then
+        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$M.partial" --quiet \
+            < /dev/null && mv "$M.partial" "$M" || exit 1
+    fi
+    BENCH_MODEL=$M bench 420 --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds 300 \
+        --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --json "$OUT/cache-tg128.json" \
+        -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/cache-tg128.txt"
+    tiny_prompt
+    LLAMA_MOE_CACHE_MIB=$CACHE_MIB timeout 200 "$(patched_bin)/llama-completion" -m "$M" -ngl 99 -cmoe -f /tmp/prompt.txt \
+        -n 128 --temp 0 --fit off -no-cnv -v > "$OUT/cache-hit-rate.txt" 2>&1
+    grep -E "llama_moe: (expert cache|no expert)" "$OUT/cache-hit-rate.txt"
+    ;;
+*)
+    echo "unknown step $step: use identity|tg"; exit 2
+    ;;
+esac
+echo "step $step: $((SECONDS - T0)) s"
