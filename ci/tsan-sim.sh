@@ -33,6 +33,21 @@ for devices in 1 2; do
    done
   done
 done
+# the expert cache (issue 12): decode reads the banks, the eval callback reads the router's ids back and uploads misses
+# and the slot map on the SIM stream while its compute thread runs; 64 generated tokens evicting every token
+head -c 2000 "$corpus" > "$out/prompt.txt"  # ~500 tokens: a prompt on the host path, then the decode
+for devices in 1 2; do
+    name="sim${devices}-cmoe-cache"
+    rm -f "$out/$name.ops.jsonl"
+    LLAMA_MOE_CACHE_MIB=2 GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices "$build/bin/llama-completion" -m "$model" \
+        -f "$out/prompt.txt" -c 2048 -n 64 -ub 512 -t 2 -nr --fit off -ngl 99 -cmoe --temp 0 -no-cnv -v > "$out/$name.log" 2>&1 < /dev/null
+    rc=$?
+    n=$(grep -c "WARNING: ThreadSanitizer" "$out/$name.log")
+    ours=$(grep -A12 "WARNING: ThreadSanitizer" "$out/$name.log" | grep -c "ggml-sim\|ggml-backend.cpp\|llama-moe")
+    steps=$(grep -o "expert cache, decode: [0-9]* layer steps" "$out/$name.log")
+    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim, ggml-backend.cpp or llama-moe), ${steps:-no cache summary}"
+    total=$((total + n))
+done
 echo "total reports: $total"
 grep -h -A8 "WARNING: ThreadSanitizer" "$out"/sim*.log | grep -E "^WARNING|#[0-3] " | sort | uniq -c | sort -rn | head -40
 # negative control: SIM's synchronize stops waiting, so the host reads memory its stream still writes; TSAN must

@@ -59,6 +59,8 @@ struct llama_moe_cache_rt {
     const llama_moe_cache_routes * routes = nullptr;
     ggml_backend_sched_eval_callback user_cb = nullptr;
     void * user_data = nullptr;
+    const ggml_tensor * user_asked = nullptr; // the node of the last "ask", and the user's answer
+    bool user_wants_it = false;
 
     std::vector<int32_t> ids_host;    // the router's ids read back, reused
     llama_moe_cache_decode_plan dplan;
@@ -88,8 +90,9 @@ static int32_t decode_max_tokens() {
         }
         char * end = nullptr;
         const long v = strtol(env, &end, 10);
-        if (*end != '\0' || v < 1 || v > 4096) {
-            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DECODE_MAX=%s ignored: use a whole number 1..4096 (tokens)\n", env);
+        if (*end != '\0' || v < 1 || v > 8) {
+            // above 8 tokens CUDA's tiled kernels would read a bank: their work split depends on the expert count
+            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DECODE_MAX=%s ignored: use a whole number 1..8 (tokens)\n", env);
             return 8;
         }
         return (int32_t) v;
@@ -139,6 +142,17 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
     l.dev = model.dev_layer(il);
     if (l.dev == nullptr || ggml_backend_dev_type(l.dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
         return "computed on the CPU (no GPU holds the layer)";
+    }
+    // the matmuls reading the banks are ordered after the plan by graph order alone (the slot map is written by the
+    // host, not by a node): a backend that reorders nodes (Vulkan, Metal, CUDA with GGML_CUDA_GRAPH_OPT=1) could run
+    // them before it; the meta device of -sm tensor mirrors the banks
+    const char * reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(l.dev));
+    if (strcmp(reg, "CUDA") != 0 && strcmp(reg, "SIM") != 0) {
+        return "on a device whose backend may reorder graph nodes (only CUDA and SIM read banks)";
+    }
+    const char * graph_opt = getenv("GGML_CUDA_GRAPH_OPT");
+    if (graph_opt != nullptr && atoi(graph_opt) != 0) {
+        return "on CUDA with GGML_CUDA_GRAPH_OPT set (it reorders graph nodes)";
     }
     return nullptr;
 }
@@ -402,10 +416,6 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     rt.ids_host.resize(span / sizeof(int32_t) + 1);
     ggml_backend_tensor_get(t, rt.ids_host.data(), 0, span);
 
-    if (!r.banks) {
-        rt.plan->note_staging(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride);
-        return;
-    }
     const bool ok = rt.plan->plan_decode(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride, rt.dplan);
     GGML_ASSERT(ok && "a graph whose experts may not fit the slots reads the banks"); // see graph_layer_for
 
@@ -444,7 +454,7 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
 
 static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, const ggml_tensor * t) {
     for (const llama_moe_cache_route & r : *rt.routes) {
-        if (r.at == t) {
+        if (r.banks && r.at == t) {
             return &r;
         }
     }
@@ -454,20 +464,28 @@ static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, con
 static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
     llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
     const llama_moe_cache_route * r = route_at(rt, t);
-    // the user's answer to "ask" for this node decides whether it sees the computed node too
-    const bool user_wants = rt.user_cb != nullptr && rt.user_cb(t, true, rt.user_data);
     if (ask) {
-        return r != nullptr || user_wants;
+        // the user's answer for the node the scheduler asks about last decides whether the user sees it computed
+        rt.user_asked    = t;
+        rt.user_wants_it = rt.user_cb != nullptr && rt.user_cb(t, true, rt.user_data);
+        return r != nullptr || rt.user_wants_it;
     }
     if (r != nullptr) {
         plan_route(rt, *r);
     }
-    return user_wants ? rt.user_cb(t, false, rt.user_data) : true;
+    return rt.user_asked == t && rt.user_wants_it ? rt.user_cb(t, false, rt.user_data) : true;
 }
 
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
         ggml_backend_sched_eval_callback user_cb, void * user_data) {
-    if (rt == nullptr || routes.empty()) {
+    bool banks = false;
+    for (const llama_moe_cache_route & r : rt ? routes : llama_moe_cache_routes()) {
+        if (!r.banks) {
+            rt->plan->note_staging(r.il); // one step of the layer on the host weights, counted without its routing
+        }
+        banks = banks || r.banks;
+    }
+    if (rt == nullptr || !banks) {
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }

@@ -6,14 +6,15 @@
 // context allocates, on that GPU, one bank per expert tensor ([ne0, ne1, n_slots], the tensor's type; per-expert
 // biases on the host get banks too) and a slot map ([1, n_expert, decode_max] I32).
 //
-// Decode with a host-side plan: a graph of at most decode_max tokens (LLAMA_MOE_CACHE_DECODE_MAX, default 8: the
-// batches CUDA computes with its matrix-vector kernels, whose bytes do not depend on the number of experts in the
-// weight) whose tokens' experts always fit the layer's slots (n_tokens x n_expert_used <= n_slots) reads the
+// Decode with a host-side plan: a graph of at most decode_max tokens (LLAMA_MOE_CACHE_DECODE_MAX, 1..8, default 8:
+// on Ada and later, CUDA computes them with its matrix-vector kernels, whose bytes do not depend on the number of
+// experts in the weight; older GPUs switch some quantized types to the tiled kernels from 6 tokens) whose tokens' experts always fit the layer's slots (n_tokens x n_expert_used <= n_slots) reads the
 // layer's experts from the banks: ggml_mul_mat_id(bank, cur, get_rows(slot_map, ids)). The router's ids are read
 // back through the scheduler's eval callback once the routing weights are computed (the end of what CUDA fuses into
 // one kernel), the plan (CLOCK) picks slots, the misses are uploaded from the host tensors into their slots and the
 // slot map written, all on the stream that computes the layer, before the rest of the graph runs. Every other graph
-// (prompts, and batches whose experts may not fit: the staging path, counted) uses the host weights as before.
+// (prompts, and batches whose experts may not fit: the staging path, counted) uses the host weights as before. Only
+// CUDA and SIM devices get banks (other backends may reorder graph nodes), and not with GGML_CUDA_GRAPH_OPT.
 // Per-expert scales and LoRA keep the router's ids.
 //
 // Knob: llama_moe_default_set_moe_cache_mib (llama-moe.h, --moe-cache-mib) > LLAMA_MOE_CACHE_MIB > 0 (off). The

@@ -233,13 +233,10 @@ static void count_staging(const llama_moe_cache_layer & l, const std::vector<int
     st.n_copy_calls   += n_runs(sorted) * l.n_tensors;
 }
 
-void llama_moe_cache::note_staging(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride) {
-    llama_moe_cache_layer & l = layer_of(*this, il);
-    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_DECODE];
-    std::vector<int32_t> & distinct = scratch;
-    distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
+void llama_moe_cache::note_staging(int32_t il) {
+    llama_moe_cache_stats & st = layer_of(*this, il).stats[LLAMA_MOE_CACHE_PHASE_DECODE];
     st.n_ubatches++;
-    count_staging(l, distinct, st);
+    st.n_overflow++;
 }
 
 bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,

@@ -152,8 +152,9 @@ struct llama_moe_cache {
             llama_moe_cache_prompt_plan & out);
 
     // a decode ubatch the caller sent to the staging path without planning it (its graph could not promise that the
-    // experts fit the slots): counted as an overflow, its routed experts as misses; nothing else changes
-    void note_staging(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride);
+    // experts fit the slots): counted as a step and an overflow; its routing is not read (that would cost a device
+    // synchronization per layer), and its uploads are the scheduler's, not counted here
+    void note_staging(int32_t il);
 
     // il < 0: the sum over layers
     llama_moe_cache_stats get_stats(int32_t il, llama_moe_cache_phase phase) const;

@@ -4,6 +4,7 @@
 #include "llama-moe-cache-rt.h"
 
 #include "llama-context.h"
+#include "llama-model.h"
 #include "llama-impl.h"
 
 #include "ggml-backend.h"
@@ -258,7 +259,7 @@ void llama_moe_set_moe_cache_mib(llama_context * ctx, int64_t mib) {
         mib = llama_moe_cache_context_mib();
     }
     ggml_backend_sched_t sched = ctx->get_sched();
-    if (sched == nullptr) {
+    if (sched == nullptr || ctx->get_model().hparams.no_alloc) {
         return; // a context that only measures memory has no cache
     }
     // the old banks go first: the new ones may need their memory
