@@ -16,11 +16,8 @@
 #include <memory>
 #include <string>
 
-// the order of a layer's expert tensors in rt_layer::host and its banks: the weights (experts along dim 2), then
-// their per-expert biases (experts along dim 1)
-enum { EXP_GATE, EXP_UP, EXP_DOWN, EXP_GATE_UP, EXP_GATE_B, EXP_UP_B, EXP_DOWN_B, EXP_GATE_UP_B, EXP_COUNT };
-static const int EXP_N_WEIGHTS = EXP_GATE_B;
-static const char * const EXP_NAMES[EXP_COUNT] = { "gate", "up", "down", "gate_up", "gate_b", "up_b", "down_b", "gate_up_b" };
+static const int EXP_N_WEIGHTS = LLAMA_MOE_CACHE_GATE_B;
+static const char * const EXP_NAMES[LLAMA_MOE_CACHE_N_TENSORS] = { "gate", "up", "down", "gate_up", "gate_b", "up_b", "down_b", "gate_up_b" };
 
 static int expert_dim(int k) {
     return k < EXP_N_WEIGHTS ? 2 : 1;
@@ -34,12 +31,10 @@ struct rt_layer {
     int32_t            il      = -1;
     ggml_backend_dev_t dev     = nullptr;
     ggml_backend_t     backend = nullptr; // the scheduler's backend of dev: uploads go on the stream that computes
-    const ggml_tensor * host[EXP_COUNT] = {};
-    llama_moe_cache_graph_layer g;
+    llama_moe_cache_graph_layer g; // the tensors it copies, their banks and the slot map
     int32_t n_slots = 0;
     int32_t n_used  = 0; // experts per token in this layer
     int32_t n_expert = 0;
-    ggml_tensor * bank[EXP_COUNT] = {};
     // the slot map rows of the last plan; an asynchronous upload reads them after the callback returns, and the next
     // plan of the layer comes after the scheduler synchronized the device again (a later graph)
     std::vector<int32_t> slot_map_host;
@@ -84,18 +79,8 @@ static double mib(size_t bytes) {
 // bank has fewer than the layer); above that the tiled kernels split work by expert count.
 static int32_t decode_max_tokens() {
     static const int32_t n = [] {
-        const char * env = getenv("LLAMA_MOE_CACHE_DECODE_MAX");
-        if (env == nullptr || *env == '\0') {
-            return 8;
-        }
-        char * end = nullptr;
-        const long v = strtol(env, &end, 10);
-        if (*end != '\0' || v < 1 || v > 8) {
-            // above 8 tokens CUDA's tiled kernels would read a bank: their work split depends on the expert count
-            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DECODE_MAX=%s ignored: use a whole number 1..8 (tokens)\n", env);
-            return 8;
-        }
-        return (int32_t) v;
+        const int64_t v = llama_moe_env_whole("LLAMA_MOE_CACHE_DECODE_MAX", 1, 8);
+        return v > 0 ? (int32_t) v : 8;
     }();
     return n;
 }
@@ -103,27 +88,27 @@ static int32_t decode_max_tokens() {
 // why layer il's experts cannot be cached, or nullptr; fills the host tensors
 static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer & l) {
     const llama_layer & ly = model.layers[il];
-    l.host[EXP_GATE]    = ly.ffn_gate_exps;
-    l.host[EXP_UP]      = ly.ffn_up_exps;
-    l.host[EXP_DOWN]    = ly.ffn_down_exps;
-    l.host[EXP_GATE_UP] = ly.ffn_gate_up_exps;
-    l.host[EXP_GATE_B]    = ly.ffn_gate_exps_b;
-    l.host[EXP_UP_B]      = ly.ffn_up_exps_b;
-    l.host[EXP_DOWN_B]    = ly.ffn_down_exps_b;
-    l.host[EXP_GATE_UP_B] = ly.ffn_gate_up_exps_b;
-    if (l.host[EXP_DOWN] == nullptr || (l.host[EXP_UP] == nullptr && l.host[EXP_GATE_UP] == nullptr)) {
+    l.g.host[LLAMA_MOE_CACHE_GATE]    = ly.ffn_gate_exps;
+    l.g.host[LLAMA_MOE_CACHE_UP]      = ly.ffn_up_exps;
+    l.g.host[LLAMA_MOE_CACHE_DOWN]    = ly.ffn_down_exps;
+    l.g.host[LLAMA_MOE_CACHE_GATE_UP] = ly.ffn_gate_up_exps;
+    l.g.host[LLAMA_MOE_CACHE_GATE_B]    = ly.ffn_gate_exps_b;
+    l.g.host[LLAMA_MOE_CACHE_UP_B]      = ly.ffn_up_exps_b;
+    l.g.host[LLAMA_MOE_CACHE_DOWN_B]    = ly.ffn_down_exps_b;
+    l.g.host[LLAMA_MOE_CACHE_GATE_UP_B] = ly.ffn_gate_up_exps_b;
+    if (l.g.host[LLAMA_MOE_CACHE_DOWN] == nullptr || (l.g.host[LLAMA_MOE_CACHE_UP] == nullptr && l.g.host[LLAMA_MOE_CACHE_GATE_UP] == nullptr)) {
         return "dense";
     }
     // the weights decide; a bias on a device stays there (the graph adds it with the router's ids)
-    for (int k = EXP_N_WEIGHTS; k < EXP_COUNT; k++) {
-        const ggml_tensor * b = l.host[k];
+    for (int k = EXP_N_WEIGHTS; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        const ggml_tensor * b = l.g.host[k];
         if (b != nullptr && (b->buffer == nullptr || !ggml_backend_buffer_is_host(b->buffer) || b->extra != nullptr ||
-                !ggml_is_contiguous(b) || b->ne[1] != l.host[EXP_DOWN]->ne[2])) {
-            l.host[k] = nullptr;
+                !ggml_is_contiguous(b) || b->ne[1] != l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2])) {
+            l.g.host[k] = nullptr;
         }
     }
     for (int k = 0; k < EXP_N_WEIGHTS; k++) {
-        const ggml_tensor * t = l.host[k];
+        const ggml_tensor * t = l.g.host[k];
         if (t == nullptr) {
             continue;
         }
@@ -134,8 +119,7 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
         if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
             return "on a device"; // not a host layer: nothing to cache
         }
-        if (!ggml_is_contiguous(t) || t->ne[2] != l.host[EXP_DOWN]->ne[2]) {
-            // e.g. a CPU repack buffer: its bytes are not in the layout a GPU reads
+        if (!ggml_is_contiguous(t) || t->ne[2] != l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2]) {
             return "in a host layout the banks do not copy (not contiguous, or tensors of different expert counts)";
         }
     }
@@ -159,15 +143,15 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
 
 static size_t layer_expert_bytes(const rt_layer & l) {
     size_t n = 0;
-    for (int k = 0; k < EXP_COUNT; k++) {
-        n += l.host[k] ? l.host[k]->nb[expert_dim(k)] : 0;
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        n += l.g.host[k] ? l.g.host[k]->nb[expert_dim(k)] : 0;
     }
     return n;
 }
 
 static int32_t layer_n_tensors(const rt_layer & l) {
     int32_t n = 0;
-    for (const ggml_tensor * t : l.host) {
+    for (const ggml_tensor * t : l.g.host) {
         n += t != nullptr;
     }
     return n;
@@ -175,35 +159,22 @@ static int32_t layer_n_tensors(const rt_layer & l) {
 
 // the banks of the layers of one device in one buffer; false (nothing allocated) if it does not fit
 static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & layers, const std::vector<int32_t> & n_slots) {
-    ggml_init_params ip = { ggml_tensor_overhead() * (EXP_COUNT + 1) * layers.size() + 1024, nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead() * (LLAMA_MOE_CACHE_N_TENSORS + 1) * layers.size() + 1024, nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     if (ctx == nullptr) {
         return false;
     }
     for (size_t i = 0; i < layers.size(); i++) {
         rt_layer & l = *layers[i];
-        for (int k = 0; k < EXP_COUNT; k++) {
-            l.bank[k] = nullptr;
-            if (l.host[k] != nullptr && n_slots[i] > 0) {
-                const ggml_tensor * h = l.host[k];
-                l.bank[k] = expert_dim(k) == 2 ? ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_slots[i])
-                                               : ggml_new_tensor_2d(ctx, h->type, h->ne[0], n_slots[i]);
-                ggml_format_name(l.bank[k], "moe_cache_%s-%d", EXP_NAMES[k], l.il);
+        for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+            l.g.bank[k] = nullptr;
+            if (l.g.host[k] != nullptr && n_slots[i] > 0) {
+                const ggml_tensor * h = l.g.host[k];
+                l.g.bank[k] = expert_dim(k) == 2 ? ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_slots[i])
+                                                 : ggml_new_tensor_2d(ctx, h->type, h->ne[0], n_slots[i]);
+                ggml_format_name(l.g.bank[k], "moe_cache_%s-%d", EXP_NAMES[k], l.il);
             }
         }
-        l.g = {};
-        l.g.bank_gate      = l.bank[EXP_GATE];
-        l.g.bank_up        = l.bank[EXP_UP];
-        l.g.bank_down      = l.bank[EXP_DOWN];
-        l.g.bank_gate_up   = l.bank[EXP_GATE_UP];
-        l.g.bank_gate_b    = l.bank[EXP_GATE_B];
-        l.g.bank_up_b      = l.bank[EXP_UP_B];
-        l.g.bank_down_b    = l.bank[EXP_DOWN_B];
-        l.g.bank_gate_up_b = l.bank[EXP_GATE_UP_B];
-        l.g.host_gate_b    = l.host[EXP_GATE_B];
-        l.g.host_up_b      = l.host[EXP_UP_B];
-        l.g.host_down_b    = l.host[EXP_DOWN_B];
-        l.g.host_gate_up_b = l.host[EXP_GATE_UP_B];
         if (n_slots[i] > 0) {
             l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, rt.decode_max);
             ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
@@ -214,8 +185,8 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
     if (buf == nullptr) {
         ggml_free(ctx);
         for (rt_layer * l : layers) {
-            l->g = {};
-            std::fill(std::begin(l->bank), std::end(l->bank), nullptr);
+            std::fill(std::begin(l->g.bank), std::end(l->g.bank), nullptr);
+            l->g.slot_map = nullptr;
             l->n_slots = 0;
         }
         return false;
@@ -286,7 +257,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
             }
             GGML_ASSERT(l.backend != nullptr && "the device of a layer has a backend in the context");
             const size_t overhead = (size_t) l.n_expert * rt->decode_max * sizeof(int32_t); // the slot map
-            descs[i] = { l.il, (int32_t) l.host[EXP_DOWN]->ne[2], layer_expert_bytes(l), overhead, layer_n_tensors(l) };
+            descs[i] = { l.il, (int32_t) l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2], layer_expert_bytes(l), overhead, layer_n_tensors(l) };
             idx.push_back(i);
             dd.push_back(descs[i]);
         }
@@ -384,8 +355,8 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
     rt_layer & l = rt->layers[rt->index[il]];
     // a call that routes to another number of experts (llama.cpp's warmup routes to all of them) or over another
     // expert count, or with other tensors, takes the host path
-    if (n_expert_used != l.n_used || n_expert != l.n_expert || gate_exps != l.host[EXP_GATE] || up_exps != l.host[EXP_UP] ||
-            down_exps != l.host[EXP_DOWN] || gate_up_exps != l.host[EXP_GATE_UP]) {
+    if (n_expert_used != l.n_used || n_expert != l.n_expert || gate_exps != l.g.host[LLAMA_MOE_CACHE_GATE] || up_exps != l.g.host[LLAMA_MOE_CACHE_UP] ||
+            down_exps != l.g.host[LLAMA_MOE_CACHE_DOWN] || gate_up_exps != l.g.host[LLAMA_MOE_CACHE_GATE_UP]) {
         return nullptr;
     }
     // the plan must never overflow: every expert the tokens may route to fits the slots. A graph that could
@@ -429,12 +400,12 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
         while (j < fills.size() && fills[j].slot == fills[j - 1].slot + 1 && fills[j].expert == fills[j - 1].expert + 1) {
             j++;
         }
-        for (int k = 0; k < EXP_COUNT; k++) {
-            if (l.bank[k] == nullptr) {
+        for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+            if (l.g.bank[k] == nullptr) {
                 continue;
             }
-            const size_t nb = l.host[k]->nb[expert_dim(k)];
-            ggml_backend_tensor_set_async(l.backend, l.bank[k], (const char *) l.host[k]->data + (size_t) fills[i].expert * nb,
+            const size_t nb = l.g.host[k]->nb[expert_dim(k)];
+            ggml_backend_tensor_set_async(l.backend, l.g.bank[k], (const char *) l.g.host[k]->data + (size_t) fills[i].expert * nb,
                     (size_t) fills[i].slot * nb, (j - i) * nb);
         }
         i = j;
@@ -478,14 +449,18 @@ static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
 
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
         ggml_backend_sched_eval_callback user_cb, void * user_data) {
+    if (rt == nullptr) {
+        ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
+        return;
+    }
     bool banks = false;
-    for (const llama_moe_cache_route & r : rt ? routes : llama_moe_cache_routes()) {
+    for (const llama_moe_cache_route & r : routes) {
         if (!r.banks) {
             rt->plan->note_staging(r.il); // one step of the layer on the host weights, counted without its routing
         }
         banks = banks || r.banks;
     }
-    if (rt == nullptr || !banks) {
+    if (!banks) {
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }

@@ -31,22 +31,20 @@
 struct llama_model;
 struct llama_moe_cache_rt;
 
+// a cached layer's expert tensors, in the order of llama_moe_cache_graph_layer's arrays: the weights (experts along
+// dim 2), then their per-expert biases (experts along dim 1)
+enum llama_moe_cache_tensor {
+    LLAMA_MOE_CACHE_GATE, LLAMA_MOE_CACHE_UP, LLAMA_MOE_CACHE_DOWN, LLAMA_MOE_CACHE_GATE_UP,
+    LLAMA_MOE_CACHE_GATE_B, LLAMA_MOE_CACHE_UP_B, LLAMA_MOE_CACHE_DOWN_B, LLAMA_MOE_CACHE_GATE_UP_B,
+    LLAMA_MOE_CACHE_N_TENSORS,
+};
+
 // the graph's view of one cached layer: what build_moe_ffn reads instead of the host expert tensors
 struct llama_moe_cache_graph_layer {
-    ggml_tensor * bank_gate    = nullptr; // each nullptr where the layer has no such expert tensor
-    ggml_tensor * bank_up      = nullptr;
-    ggml_tensor * bank_down    = nullptr;
-    ggml_tensor * bank_gate_up = nullptr;
-    // the per-expert biases, where the layer's are on the host (else the graph adds the layer's own with the router's
-    // ids); host_*_b: the tensors they copy
-    ggml_tensor * bank_gate_b    = nullptr;
-    ggml_tensor * bank_up_b      = nullptr;
-    ggml_tensor * bank_down_b    = nullptr;
-    ggml_tensor * bank_gate_up_b = nullptr;
-    const ggml_tensor * host_gate_b    = nullptr;
-    const ggml_tensor * host_up_b      = nullptr;
-    const ggml_tensor * host_down_b    = nullptr;
-    const ggml_tensor * host_gate_up_b = nullptr;
+    // the layer's tensors the banks copy, nullptr where the layer has none (a bias on a device stays there: the graph
+    // adds it with the router's ids), and their banks ([ne0, ne1, n_slots] or [ne0, n_slots])
+    const ggml_tensor * host[LLAMA_MOE_CACHE_N_TENSORS] = {};
+    ggml_tensor *       bank[LLAMA_MOE_CACHE_N_TENSORS] = {};
     // I32 [1, n_expert, decode_max]: the slot of each expert, one row per token, written by the plan; the graph
     // takes slot ids = get_rows(slot_map, router ids), so the matmuls depend on the router's output (and keep it
     // alive until the plan has read it)

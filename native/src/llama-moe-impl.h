@@ -7,6 +7,10 @@
 // llama.cpp flag), else the environment, else ggml's built-in values
 ggml_backend_sched_prefetch_params llama_moe_prefetch_context_defaults();
 
+// a whole number in [lo, hi] from the environment variable name, else -1: unset, or not such a number (then said
+// through the log; callers read it once)
+int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi);
+
 // the expert cache budget per device in MiB a new context takes: process default (llama-moe.h setter or
 // --moe-cache-mib), else LLAMA_MOE_CACHE_MIB, else 0 (off)
 int64_t llama_moe_cache_context_mib();

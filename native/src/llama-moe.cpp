@@ -207,16 +207,19 @@ void llama_moe_debug_slowdown(int64_t cycle_us) {
 static std::mutex g_cache_mutex;
 static int64_t g_cache_mib = -1; // -1: unset
 
-// a whole number >= 0 from the environment, else -1 (unset or not a number, said once)
-static int64_t env_whole(const char * name) {
+int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi) {
     const char * env = getenv(name);
     if (env == nullptr || *env == '\0') {
         return -1;
     }
     char * end = nullptr;
     const long long value = strtoll(env, &end, 10);
-    if (*end != '\0' || value < 0) {
-        LLAMA_LOG_WARN("llama_moe: %s=%s ignored: use a whole number >= 0\n", name, env);
+    if (*end != '\0' || value < lo || value > hi) {
+        if (hi == INT64_MAX) {
+            LLAMA_LOG_WARN("llama_moe: %s=%s ignored: use a whole number >= %lld\n", name, env, (long long) lo);
+        } else {
+            LLAMA_LOG_WARN("llama_moe: %s=%s ignored: use a whole number %lld..%lld\n", name, env, (long long) lo, (long long) hi);
+        }
         return -1;
     }
     return value;
@@ -229,13 +232,13 @@ int64_t llama_moe_cache_context_mib() {
             return g_cache_mib;
         }
     }
-    static const int64_t env = env_whole("LLAMA_MOE_CACHE_MIB");
+    static const int64_t env = llama_moe_env_whole("LLAMA_MOE_CACHE_MIB", 0, INT64_MAX);
     return env >= 0 ? env : 0;
 }
 
 uint64_t llama_moe_cache_debug_skip_fill() {
     static const int64_t n = [] {
-        const int64_t v = env_whole("LLAMA_MOE_CACHE_DEBUG_SKIP_FILL");
+        const int64_t v = llama_moe_env_whole("LLAMA_MOE_CACHE_DEBUG_SKIP_FILL", 0, INT64_MAX);
         if (v > 0) {
             LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DEBUG_SKIP_FILL=%lld: fill %lld of the expert cache is never uploaded "
                     "(a planted stale slot for testing)\n", (long long) v, (long long) v);

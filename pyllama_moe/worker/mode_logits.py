@@ -159,8 +159,9 @@ class _MoeApi:
             counters = self.ffi.new("struct llama_moe_cache_counters *")
             fields = [name for name, _ in self.ffi.typeof("struct llama_moe_cache_counters").fields]
             for phase, name in ((0, "cache_prompt"), (1, "cache_decode")):
-                out["cache_layers"] = int(self.lib.llama_moe_cache_get_counters(self.ctx, -1, phase, counters))
+                n_layers = int(self.lib.llama_moe_cache_get_counters(self.ctx, -1, phase, counters))
                 out[name] = {f: int(getattr(counters, f)) for f in fields}
+            out["cache_layers"] = n_layers
             out["cache_bytes"] = int(self.lib.llama_moe_cache_size(self.ctx))
         return out
 
