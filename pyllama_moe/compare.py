@@ -213,7 +213,7 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
     ahead; a context whose ubatches are all smaller has no staging arena at all (nothing would be uploaded ahead
     into it), and one with larger ubatches but a shorter prompt has the arena and uploads nothing ahead."""
     prompt = (stats or {}).get("prompt", {})
-    min_batch = int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "256"))
+    min_batch = int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "128"))
     staging = cell.ubatch >= min_batch
     ahead = staging and cell.prompt_tokens >= min_batch
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)

@@ -321,10 +321,10 @@ def test_small_ubatches_get_no_staging_and_say_why(patched_build, master_build, 
     """n_ubatch below the min batch: nothing is ever uploaded ahead, so no staging slots are allocated (issue 10,
     item 4), the reservation says why, and the logits are master's at the same ubatch."""
     env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
-    res = runner.run(patched_build, src, _spec(*qwen3moe, ubatch=128, env=env, stats=True))
-    assert res.logits_sha256 == runner.run(master_build, src, _spec(*qwen3moe, ubatch=128)).logits_sha256
+    res = runner.run(patched_build, src, _spec(*qwen3moe, ubatch=64, env=env, stats=True))
+    assert res.logits_sha256 == runner.run(master_build, src, _spec(*qwen3moe, ubatch=64)).logits_sha256
     assert res.stats["prompt"]["prefetch_arena_bytes"] == 0 and res.stats["prompt"]["n_prefetch_uploads"] == 0
-    assert "nothing to prefetch (batches of 128 tokens are below the min batch of 256" in res.log, res.log[-3000:]
+    assert "nothing to prefetch (batches of 64 tokens are below the min batch of 128" in res.log, res.log[-3000:]
 
 
 def _reservation_line(log: str) -> str:

@@ -31,7 +31,7 @@ LLAMA_MOE_API const char * llama_moe_build_info(void);
 //
 // Precedence, per field: per-context setter > process default (set below, or by a llama.cpp flag) > environment
 // (GGML_SCHED_PREFETCH, GGML_SCHED_PREFETCH_DEPTH, GGML_SCHED_PREFETCH_MIN_BATCH,
-// GGML_SCHED_PREFETCH_HEADROOM_MIB, GGML_SCHED_PREFETCH_STAGING_MIB) > built-in (mode 1, depth 4, min_batch 256,
+// GGML_SCHED_PREFETCH_HEADROOM_MIB, GGML_SCHED_PREFETCH_STAGING_MIB) > built-in (mode 1, depth 4, min_batch 128,
 // headroom 512 MiB, staging auto). The getters return the values in use: a depth outside 2..8 is clamped, an
 // unknown mode is 1.
 // The struct is passed by value and keeps these four fields; knobs added later get functions of their own (the
