@@ -145,7 +145,9 @@ class Harness:
         if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
             checks.append(prefetch_check(cell, env, cand.stats))
         if cell.candidate == "patched" and cell.backend != "cpu" and int(env.get("LLAMA_MOE_CACHE_MIB", "0")) > 0:
-            checks.append(cache_check(cand.log))
+            prefetch = env.get("GGML_SCHED_PREFETCH", "1")
+            ahead = ubatches_ahead(cell, env) if prefetch == "2" or (prefetch == "1" and cell.backend == "cuda") else 0
+            checks.append(cache_check(cand.log, ahead))
         if oplog is not None:
             used, races = read_sim_oplog(oplog)
             shutil.rmtree(oplog.parent, ignore_errors=True)
@@ -217,8 +219,17 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
     staging = cell.ubatch >= min_batch
     ahead = staging and cell.prompt_tokens >= min_batch
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
+    # the expert cache writes the staged copies of its layers' experts itself, uploads the scheduler leaves out
+    uploads += prompt.get("cache_prompt", {}).get("n_misses", 0)
     ok = (arena > 0) == staging and (uploads > 0) == ahead
     return Check("prefetch", ok, {"expect_staging": staging, "expect_uploads_ahead": ahead, **prompt})
+
+
+def ubatches_ahead(cell: Cell, env: dict[str, str]) -> int:
+    """The prompt ubatches of a cell that upload host weights ahead: those of at least min_batch tokens."""
+    min_batch = int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "128"))
+    full, rest = divmod(cell.prompt_tokens, cell.ubatch)
+    return (full if cell.ubatch >= min_batch else 0) + (1 if rest >= min_batch else 0)
 
 
 PINNED_IN_PLACE = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of expert weights registered with (\S+) "
@@ -262,17 +273,27 @@ def pin_check(log: str, budget_mib: float | None = None) -> Check:
 
 CACHE_MADE = re.compile(r"llama_moe: expert cache on (\S+): ([0-9.]+) MiB, (\d+) MoE layers")
 CACHE_DECODE = re.compile(r"llama_moe: expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses")
+CACHE_PROMPT = re.compile(r"llama_moe: expert cache, prompts: (\d+) layer steps, (\d+) experts read from the banks, "
+                          r"(\d+) uploaded \([0-9.]+ MiB\), (\d+) made resident")
 
 
-def cache_check(log: str) -> Check:
+def cache_check(log: str, ubatches_ahead: int = 0) -> Check:
     """The expert cache really took its path: banks were made and, by the context's summary at its end, decode
-    steps planned with misses (the cells' budget evicts every token), so the text was computed from the banks."""
+    steps planned with misses (the cells' budget evicts every token), so the text was computed from the banks; and
+    where prompt ubatches uploaded ahead, the cache staged their experts and made some resident, reading residents
+    from the banks from the second such ubatch on."""
     made = [m.groups() for m in CACHE_MADE.finditer(log)]
     decode = [tuple(map(int, m.groups())) for m in CACHE_DECODE.finditer(log)]
+    prompt = [tuple(map(int, m.groups())) for m in CACHE_PROMPT.finditer(log)]
     steps = sum(d[0] for d in decode)
     misses = sum(d[2] for d in decode)
-    detail = {"devices": [m[0] for m in made], "layer_steps": steps, "hits": sum(d[1] for d in decode), "misses": misses}
-    return Check("cache", bool(made) and steps > 0 and misses > 0, detail)
+    p_steps, p_reads, p_fills = (sum(p[i] for p in prompt) for i in (0, 1, 3))
+    detail = {"devices": [m[0] for m in made], "layer_steps": steps, "hits": sum(d[1] for d in decode), "misses": misses,
+              "prompt_ubatches_ahead": ubatches_ahead, "prompt_layer_steps": p_steps, "prompt_reads": p_reads,
+              "prompt_fills": p_fills}
+    prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and \
+        (p_reads > 0) == (ubatches_ahead > 1)
+    return Check("cache", bool(made) and steps > 0 and misses > 0 and prompt_ok, detail)
 
 
 def read_sim_oplog(oplog: Path) -> tuple[set, int]:

@@ -120,10 +120,21 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
     summary = ("0.02 I llama_moe: expert cache, decode: 1198 layer steps, 1498 hits, 3294 misses (hit rate 31.3%), "
                "0 on the staging path, 328.11 MiB uploaded in 9636 copies")
     check = cache_check(made + "\n" + summary)
-    assert check.identical and check.detail == {"devices": ["SIM0"], "layer_steps": 1198, "hits": 1498, "misses": 3294}
+    assert check.identical and check.detail == {"devices": ["SIM0"], "layer_steps": 1198, "hits": 1498, "misses": 3294,
+                                                "prompt_ubatches_ahead": 0, "prompt_layer_steps": 0, "prompt_reads": 0,
+                                                "prompt_fills": 0}
     assert not cache_check(summary).identical  # no banks: the text came from somewhere else
     assert not cache_check(made).identical     # banks, but no summary of decode steps
     assert not cache_check(made + "\n" + summary.replace("3294 misses", "0 misses")).identical
+    # prompt ubatches that upload ahead: the cache must have staged them and made experts resident, and have read
+    # residents from the banks once there was a second such ubatch
+    prompts = ("0.02 I llama_moe: expert cache, prompts: 8 layer steps, 20 experts read from the banks, 108 uploaded "
+               "(10.5 MiB), 20 made resident, 3.9 MiB copied on the device, 40 copies")
+    assert cache_check("\n".join([made, summary, prompts]), ubatches_ahead=2).identical
+    assert not cache_check("\n".join([made, summary]), ubatches_ahead=1).identical  # the host weights were uploaded
+    assert not cache_check("\n".join([made, summary, prompts.replace("20 made", "0 made")]), ubatches_ahead=1).identical
+    assert not cache_check("\n".join([made, summary, prompts.replace(" 20 experts", " 0 experts")]), ubatches_ahead=2).identical
+    assert not cache_check("\n".join([made, summary, prompts]), ubatches_ahead=0).identical  # a prompt nobody expected
     # the cache's lines are not the pin's: the pin check still sees its one line
     pinned = "0.00 I llama_moe: 6.38 MiB of expert weights registered with SIM0 (page-locked in place: 1 range(s), 7.03 MiB)"
     assert pin_check("\n".join([pinned, made, summary])).identical

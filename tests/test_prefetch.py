@@ -97,6 +97,9 @@ POISON_THEN_SMALL = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SCHED_PREFETC
     ("headroom-other-device", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "64"}),
     ("one-split", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),
     ("poison-then-small", POISON_THEN_SMALL),
+    # issue 12: the copy callbacks (the expert cache writes its experts' staged copies); cleared or replaced after an
+    # allocation, the computes of that allocation must not call the old fill (the cold read found a NULL call)
+    ("copy-callbacks", {}),
 ])
 def test_hazard_handled(hazards, case, env):
     proc = _hazard(hazards, case, **env)

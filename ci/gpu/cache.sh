@@ -1,21 +1,34 @@
 #!/usr/bin/env bash
-# Issue 12 on the GPU machine: the expert cache (decode with a host-side plan) on CUDA. Prepare on the CPU machine as
+# Issue 12 on the GPU machine: the expert cache (prompts staged through it, decode with a host-side plan) on CUDA. Prepare on the CPU machine as
 # prefetch.sh says; the steps run after `prefetch.sh build` (or in ci/gpu/open-issues.sh):
-#   identity   compare --subset moe-cache: the cache's cells on CUDA (the SIM ones run in CI), every check byte for
-#              byte against master, and the stale-slot control; then compute-sanitizer memcheck over a decode that
-#              evicts every token
+#   identity   compare --subset moe-cache --backend cuda: the cache's CUDA cells (the SIM ones and the stale-slot
+#              control run in CI), every check byte for byte against master with every weight on the GPU; then
+#              compute-sanitizer memcheck over a decode that evicts every token
+#   pp         the prompt path: pp4096 at ub 512 with the cache at a quarter of the expert bytes (3900 MiB) against
+#              master and against the same build with the cache off, -lm none and mmap; then a 32k-token prompt at
+#              ub 2048 with the cache holding every expert (17000 MiB) as a share of the all-on-GPU row of the same
+#              run (the patched build against itself, the cache off as the baseline: master would take minutes)
 #   tg         tg128 with every expert on the host, the Qwen3-30B-A3B shape with routing skew 0.5, the cache at half
 #              the expert bytes (LLAMA_MOE_CACHE_MIB, default 7800 of 16.3 GB) against master, paced, with
 #              intervals; then one llama-completion run for the hit rate of the context's summary line
 set -uo pipefail
-step=${1:?usage: cache.sh identity|tg}
+step=${1:?usage: cache.sh identity|pp|tg}
 . "$(dirname "$0")/common.sh"
 CACHE_MIB=${CACHE_MIB:-7800}
+
+skew_model() { # the Qwen3-30B-A3B shape with routing skew 0.5, written once
+    local m=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
+    if [ ! -f "$m" ]; then
+        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$m.partial" --quiet \
+            < /dev/null >&2 && mv "$m.partial" "$m" >&2 || return 1
+    fi
+    echo "$m"
+}
 
 case $step in
 identity)
     wait_builds 300 || exit 1
-    timeout 300 python3 -m pyllama_moe compare --subset moe-cache --archive-dir $A --json "$OUT/identity-moe-cache.json" \
+    timeout 300 python3 -m pyllama_moe compare --subset moe-cache --backend cuda --archive-dir $A --json "$OUT/identity-moe-cache.json" \
         2>&1 | tee "$OUT/identity-moe-cache.txt"
     P=$(patched_bin)
     tiny_prompt
@@ -24,13 +37,23 @@ identity)
     echo "compute-sanitizer memcheck (expert cache, 2 MiB): exit $?"
     grep -E "ERROR SUMMARY|llama_moe: expert cache" "$OUT/sanitizer-moe-cache.txt" | head -4
     ;;
+pp)
+    wait_builds 60 || exit 1
+    M=$(skew_model) || exit 1
+    BENCH_MODEL=$M bench 330 --rounds 3 --max-seconds 240 --reps 2 --discard 1 --pin-threads \
+        --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-master.json" \
+        -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp4096-ub512-master.txt"
+    BENCH_MODEL=$M bench 330 --baseline patched --candidate patched --rounds 3 --max-seconds 240 --reps 2 --discard 1 \
+        --pin-threads --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-off.json" \
+        -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp4096-ub512-off.txt"
+    BENCH_MODEL=$M bench 420 --baseline patched --candidate patched --rounds 3 --max-seconds 330 --reps 2 --discard 1 \
+        --pin-threads --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
+        --json "$OUT/cache-pp32k-ub2048.json" -- -p 32768 -n 0 -b 2048 -ub 2048 -ngl 99 -ncmoe 48,0 -lm none \
+        2>&1 | tee "$OUT/cache-pp32k-ub2048.txt"
+    ;;
 tg)
     wait_builds 60 || exit 1
-    M=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
-    if [ ! -f "$M" ]; then
-        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$M.partial" --quiet \
-            < /dev/null && mv "$M.partial" "$M" || exit 1
-    fi
+    M=$(skew_model) || exit 1
     BENCH_MODEL=$M bench 420 --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds 300 \
         --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --json "$OUT/cache-tg128.json" \
         -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/cache-tg128.txt"
@@ -40,7 +63,7 @@ tg)
     grep -E "llama_moe: (expert cache|no expert)" "$OUT/cache-hit-rate.txt"
     ;;
 *)
-    echo "unknown step $step: use identity|tg"; exit 2
+    echo "unknown step $step: use identity|pp|tg"; exit 2
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_map>
 
 static const int EXP_N_WEIGHTS = LLAMA_MOE_CACHE_GATE_B;
 static const char * const EXP_NAMES[LLAMA_MOE_CACHE_N_TENSORS] = { "gate", "up", "down", "gate_up", "gate_b", "up_b", "down_b", "gate_up_b" };
@@ -38,6 +39,16 @@ struct rt_layer {
     // the slot map rows of the last plan; an asynchronous upload reads them after the callback returns, and the next
     // plan of the layer comes after the scheduler synchronized the device again (a later graph)
     std::vector<int32_t> slot_map_host;
+    // the prompt plan of the graph being computed (made at the layer's first fill of that graph), per expert: the
+    // slot its staged bytes are read from (-1: uploaded from the host), and the slot they are admitted into (-1: none)
+    uint64_t prompt_graph = 0;
+    std::vector<int32_t> read_slot;
+    std::vector<int32_t> admit_slot;
+    // that plan's admits, kept only once every bank of the layer got its bytes (checked when the next graph is bound):
+    // a graph may stage some of a layer's tensors alone (a matmul left on the CPU next to an offloaded bias add) or
+    // stop before the rest
+    std::vector<llama_moe_cache_fill> pending;
+    size_t filled[LLAMA_MOE_CACHE_N_TENSORS] = {};
 };
 
 struct llama_moe_cache_rt {
@@ -59,6 +70,15 @@ struct llama_moe_cache_rt {
 
     std::vector<int32_t> ids_host;    // the router's ids read back, reused
     llama_moe_cache_decode_plan dplan;
+    llama_moe_cache_prompt_plan pplan;
+
+    // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
+    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int>> host_tensor;
+    uint64_t n_graphs = 0;        // graphs bound, so a layer's prompt plan is made once per graph
+    // which queue touched the banks last: a decode graph reads and fills them on the compute stream, a prompt's fills
+    // read and admit on the copy queue; the first graph of the other kind waits for that work (once per switch)
+    bool banks_on_compute = false;
+    bool banks_on_queue   = false;
 
     ~llama_moe_cache_rt() {
         for (ggml_backend_buffer_t b : bufs) {
@@ -98,6 +118,9 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
     l.g.host[LLAMA_MOE_CACHE_GATE_UP_B] = ly.ffn_gate_up_exps_b;
     if (l.g.host[LLAMA_MOE_CACHE_DOWN] == nullptr || (l.g.host[LLAMA_MOE_CACHE_UP] == nullptr && l.g.host[LLAMA_MOE_CACHE_GATE_UP] == nullptr)) {
         return "dense";
+    }
+    if (l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2] != l.n_expert) {
+        return "in tensors of another expert count than the model's";
     }
     // the weights decide; a bias on a device stays there (the graph adds it with the router's ids)
     for (int k = EXP_N_WEIGHTS; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
@@ -319,7 +342,15 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     kept_sizing.n_layers = (int32_t) kept.size();
     rt->layers = std::move(kept);
     for (size_t i = 0; i < rt->layers.size(); i++) {
-        rt->index[rt->layers[i].il] = (int32_t) i;
+        rt_layer & l = rt->layers[i];
+        rt->index[l.il] = (int32_t) i;
+        for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+            if (l.g.bank[k] != nullptr) {
+                rt->host_tensor[l.g.host[k]] = { (int32_t) i, k };
+            }
+        }
+        l.read_slot.assign(l.n_expert, -1);
+        l.admit_slot.assign(l.n_expert, -1);
     }
     rt->plan = std::make_unique<llama_moe_cache>(kept_descs, kept_sizing);
     rt->plan->debug_skip_fill = llama_moe_cache_debug_skip_fill();
@@ -333,6 +364,12 @@ static void log_summary(const llama_moe_cache_rt & rt) {
             "%" PRIu64 " on the staging path, %.2f MiB uploaded in %" PRIu64 " copies\n",
             d.n_ubatches, d.n_hits, d.n_misses, routed ? 100.0 * d.n_hits / routed : 0.0, d.n_overflow,
             mib(d.bytes_uploaded), d.n_copy_calls);
+    const llama_moe_cache_stats p = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    if (p.n_ubatches > 0) {
+        LLAMA_LOG_INFO("llama_moe: expert cache, prompts: %" PRIu64 " layer steps, %" PRIu64 " experts read from the banks, %" PRIu64 " uploaded "
+                "(%.2f MiB), %" PRIu64 " made resident, %.2f MiB copied on the device, %" PRIu64 " copies\n",
+                p.n_ubatches, p.n_hits, p.n_misses, mib(p.bytes_uploaded), p.n_fills, mib(p.bytes_copied), p.n_copy_calls);
+    }
 }
 
 void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
@@ -423,6 +460,138 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     ggml_backend_tensor_set_async(l.backend, l.g.slot_map, l.slot_map_host.data(), 0, l.slot_map_host.size() * sizeof(int32_t));
 }
 
+//
+// prompts: a graph that uploads host weights ahead lets the cache write the staged copies of its layers' expert
+// tensors (the scheduler's copy mode NONE): resident experts are copied from the banks on the device, the others
+// uploaded from the host, and uploads that take a free slot are then copied from the staged copy into it. All of it
+// runs on the copy queue in the order the scheduler issues the pieces, so a bank read comes after the admit that
+// filled its slot, and the compute that reads the staged copy waits for all of it as for an upload.
+//
+
+static ggml_backend_sched_copy_mode copy_mode(const ggml_tensor * weight, void * user_data) {
+    const llama_moe_cache_rt & rt = *(const llama_moe_cache_rt *) user_data;
+    return rt.host_tensor.count(weight) ? GGML_BACKEND_SCHED_COPY_NONE : GGML_BACKEND_SCHED_COPY_AHEAD;
+}
+
+// bytes [offset, offset + size) of a tensor in device memory as a flat tensor, for a device-to-device copy of part
+// of it (ggml_backend_tensor_copy_async copies whole tensors of one layout)
+static ggml_tensor byte_range(const ggml_tensor * t, size_t offset, size_t size) {
+    ggml_tensor v = {};
+    v.type   = GGML_TYPE_I8;
+    v.ne[0]  = (int64_t) size;
+    v.ne[1]  = v.ne[2] = v.ne[3] = 1;
+    v.nb[0]  = 1;
+    v.nb[1]  = v.nb[2] = v.nb[3] = size;
+    v.buffer = t->view_src ? t->view_src->buffer : t->buffer;
+    v.data   = (char *) t->data + offset;
+    return v;
+}
+
+static void copy_on_device(ggml_backend_t queue, const ggml_tensor * src, size_t src_offset, ggml_tensor * dst,
+        size_t dst_offset, size_t size) {
+    ggml_tensor from = byte_range(src, src_offset, size);
+    ggml_tensor to   = byte_range(dst, dst_offset, size);
+    ggml_backend_tensor_copy_async(queue, queue, &from, &to);
+}
+
+// the layer's plan for this graph: every expert is staged (the upload runs ahead of the router), the residents read
+// from their slots, and uploads take free slots without replacing a resident (prompt_admit without the routing)
+static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
+    if (l.prompt_graph == rt.n_graphs) {
+        return;
+    }
+    l.prompt_graph = rt.n_graphs;
+    rt.plan->prompt_stage(l.il, nullptr, 0, l.n_used, l.n_used, true, rt.pplan);
+    rt.plan->prompt_admit(l.il, nullptr, 0, l.n_used, l.n_used, rt.pplan);
+    std::fill(l.read_slot.begin(), l.read_slot.end(), -1);
+    std::fill(l.admit_slot.begin(), l.admit_slot.end(), -1);
+    for (const llama_moe_cache_fill & f : rt.pplan.reads) {
+        l.read_slot[f.expert] = f.slot;
+    }
+    for (const llama_moe_cache_fill & f : rt.pplan.admits) {
+        l.admit_slot[f.expert] = f.slot;
+    }
+    l.pending = rt.pplan.admits;
+    std::fill(std::begin(l.filled), std::end(l.filled), 0);
+}
+
+// before a graph: the previous graph's prompt admits of each layer stay only where every bank of it got all its bytes
+static void settle_prompt_admits(llama_moe_cache_rt & rt) {
+    for (rt_layer & l : rt.layers) {
+        if (l.pending.empty()) {
+            continue;
+        }
+        bool whole = true;
+        for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+            whole = whole && (l.g.bank[k] == nullptr || l.filled[k] == ggml_nbytes(l.g.host[k]));
+        }
+        if (!whole) {
+            rt.plan->unadmit(l.il, l.pending);
+        }
+        l.pending.clear();
+    }
+}
+
+static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t offset, size_t size, ggml_backend_t queue,
+        void * user_data) {
+    llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
+    const auto it = rt.host_tensor.find(weight);
+    GGML_ASSERT(it != rt.host_tensor.end() && "the scheduler fills only the tensors the cache asked for");
+    rt_layer & l = rt.layers[it->second.first];
+    const int k = it->second.second;
+    if (ggml_backend_get_device(queue) != l.dev) {
+        // staged on another device than the layer's banks (the scheduler put the matmul elsewhere, e.g. the first GPU
+        // of several with op offload): a device-to-device copy between them would wait for both, so from the host
+        ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + offset, offset, size);
+        return;
+    }
+    plan_prompt_layer(rt, l);
+    l.filled[k] += size;
+
+    const size_t nb  = l.g.host[k]->nb[expert_dim(k)];
+    const size_t end = offset + size;
+    GGML_ASSERT(end <= (size_t) l.n_expert * nb);
+    // runs of experts that move alike: uploads of consecutive experts, reads of consecutive experts from consecutive
+    // slots, each one call; an admit run follows the upload run it copies
+    for (size_t lo = offset; lo < end; ) {
+        const int32_t e0   = (int32_t) (lo / nb);
+        const int32_t slot = l.read_slot[e0];
+        int32_t e1 = e0 + 1;
+        while ((size_t) e1 * nb < end && (slot < 0 ? l.read_slot[e1] < 0 : l.read_slot[e1] == slot + (e1 - e0))) {
+            e1++;
+        }
+        const size_t hi = std::min(end, (size_t) e1 * nb);
+        if (slot >= 0) {
+            copy_on_device(queue, l.g.bank[k], (size_t) slot * nb + (lo - (size_t) e0 * nb), copy, lo, hi - lo);
+            rt.banks_on_queue = true;
+        } else {
+            ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + lo, lo, hi - lo);
+            for (size_t a = lo; a < hi; ) {
+                const int32_t ea = (int32_t) (a / nb);
+                int32_t eb = ea + 1;
+                while ((size_t) eb * nb < hi && l.admit_slot[ea] >= 0 && l.admit_slot[eb] == l.admit_slot[ea] + (eb - ea)) {
+                    eb++;
+                }
+                const size_t b = std::min(hi, (size_t) eb * nb);
+                if (l.admit_slot[ea] >= 0) {
+                    copy_on_device(queue, copy, a, l.g.bank[k], (size_t) l.admit_slot[ea] * nb + (a - (size_t) ea * nb), b - a);
+                    rt.banks_on_queue = true;
+                }
+                a = b;
+            }
+        }
+        lo = hi;
+    }
+}
+
+void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {
+    if (rt != nullptr) {
+        ggml_backend_sched_set_copy_callbacks(sched, copy_mode, copy_fill, rt);
+    } else {
+        ggml_backend_sched_set_copy_callbacks(sched, nullptr, nullptr, nullptr);
+    }
+}
+
 static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, const ggml_tensor * t) {
     for (const llama_moe_cache_route & r : *rt.routes) {
         if (r.banks && r.at == t) {
@@ -453,6 +622,8 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }
+    settle_prompt_admits(*rt);
+    rt->n_graphs++;
     bool banks = false;
     for (const llama_moe_cache_route & r : routes) {
         if (!r.banks) {
@@ -461,9 +632,26 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         banks = banks || r.banks;
     }
     if (!banks) {
+        if (rt->banks_on_compute) {
+            // a prompt's fills read and write the banks on the copy queues: after the last decode graph's reads
+            std::vector<ggml_backend_t> done;
+            for (const rt_layer & l : rt->layers) {
+                if (std::find(done.begin(), done.end(), l.backend) == done.end()) {
+                    ggml_backend_synchronize(l.backend);
+                    done.push_back(l.backend);
+                }
+            }
+            rt->banks_on_compute = false;
+        }
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }
+    if (rt->banks_on_queue) {
+        // a decode graph reads and fills the banks on the compute stream: after the copy queues' last admits
+        ggml_backend_sched_synchronize(sched);
+        rt->banks_on_queue = false;
+    }
+    rt->banks_on_compute = true;
     rt->routes    = &routes;
     rt->user_cb   = user_cb;
     rt->user_data = user_data;

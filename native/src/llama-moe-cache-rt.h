@@ -85,6 +85,11 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
         int32_t il, bool banks);
 
+// the context's scheduler writes the staged copies of the cached layers' expert tensors through the cache when a graph
+// uploads ahead (prompts: residents copied from the banks, the rest uploaded, free slots filled); rt nullptr detaches
+// (before the cache is freed or replaced)
+void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched);
+
 // llama_context::process_ubatch, before the graph computes: the scheduler's eval callback for this graph, the cache's
 // (which calls the user's after it) where the graph has routes, else the user's alone
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,

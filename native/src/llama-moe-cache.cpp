@@ -337,6 +337,16 @@ void llama_moe_cache::prompt_stage(int32_t il, const int32_t * ids, int64_t n_to
     st.n_copy_calls   += (n_runs(out.reads) + n_runs(out.uploads)) * l.n_tensors;
 }
 
+// the admits' bytes (staged copy -> bank) and copies: one per run of consecutive experts into consecutive slots
+static void count_admits(const llama_moe_cache_layer & l, const llama_moe_cache_prompt_plan & out, llama_moe_cache_stats & st) {
+    st.bytes_copied += out.admits.size() * l.expert_bytes;
+    std::vector<llama_moe_cache_fill> admits = out.admits;
+    std::sort(admits.begin(), admits.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
+        return a.expert < b.expert;
+    });
+    st.n_copy_calls += n_runs(admits) * l.n_tensors;
+}
+
 void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
         llama_moe_cache_prompt_plan & out) {
     llama_moe_cache_layer & l = layer_of(*this, il);
@@ -344,6 +354,22 @@ void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_to
     out.admits.clear();
     out.evicted.clear();
 
+    if (ids == nullptr) {
+        // the routing is not known (the uploads ran ahead of the router): uploads take the free slots in expert
+        // order; no resident is replaced and the scores stay as they are
+        for (int32_t e : out.uploads) {
+            if (l.n_free == 0) {
+                break;
+            }
+            const int32_t s = free_slot(l);
+            if (assign(*this, l, e, s, st)) {
+                out.admits.push_back({ e, s });
+                out.evicted.push_back(-1);
+            }
+        }
+        count_admits(l, out, st);
+        return;
+    }
     count_routed(l, ids, n_tokens, n_used, stride);
     // halving keeps the score a recent count, so an expert that a prompt stops routing loses its place in a few
     // ubatches, while one ubatch's noise does not move the set
@@ -394,18 +420,25 @@ void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_to
         l.pin[s] = l.epoch;
     }
 
-    st.bytes_copied += out.admits.size() * l.expert_bytes;
-    std::vector<llama_moe_cache_fill> admits = out.admits;
-    std::sort(admits.begin(), admits.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
-        return a.expert < b.expert;
-    });
-    st.n_copy_calls += n_runs(admits) * l.n_tensors;
+    count_admits(l, out, st);
 }
 
 void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
         bool stage_all, llama_moe_cache_prompt_plan & out) {
     prompt_stage(il, ids, n_tokens, n_used, stride, stage_all, out);
     prompt_admit(il, ids, n_tokens, n_used, stride, out);
+}
+
+void llama_moe_cache::unadmit(int32_t il, const std::vector<llama_moe_cache_fill> & admits) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    for (const llama_moe_cache_fill & f : admits) {
+        MOE_CACHE_ASSERT(l.slot_of[f.expert] == f.slot && l.expert_of[f.slot] == f.expert);
+        l.slot_of[f.expert] = -1;
+        l.expert_of[f.slot] = -1;
+        l.ref[f.slot]       = 0;
+        l.n_free++;
+        l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT].n_fills--; // the bytes copied into the slots stay counted
+    }
 }
 
 llama_moe_cache_stats llama_moe_cache::get_stats(int32_t il, llama_moe_cache_phase phase) const {

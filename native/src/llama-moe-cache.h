@@ -143,13 +143,18 @@ struct llama_moe_cache {
     // expert of the layer) cannot wait for the router: prompt_stage lists reads and uploads from the residents
     // alone (ids may be null with stage_all; else only the routed experts are staged); prompt_admit, once the
     // routing is known, updates the scores and picks the admits among out.uploads. Nothing else may plan the layer
-    // in between. plan_prompt does both.
+    // in between. plan_prompt does both. prompt_admit with ids null (the routing unknown): uploads take free slots in
+    // expert order, nothing is replaced.
     void prompt_stage(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, bool stage_all,
             llama_moe_cache_prompt_plan & out);
     void prompt_admit(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
             llama_moe_cache_prompt_plan & out);
     void plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, bool stage_all,
             llama_moe_cache_prompt_plan & out);
+
+    // takes back admits of an unrouted prompt_admit (into free slots) whose bytes did not all reach their slots (only
+    // part of the layer's tensors was staged, or the computation stopped): the slots are free again
+    void unadmit(int32_t il, const std::vector<llama_moe_cache_fill> & admits);
 
     // a decode ubatch the caller sent to the staging path without planning it (its graph could not promise that the
     // experts fit the slots): counted as a step and an overflow; its routing is not read (that would cost a device

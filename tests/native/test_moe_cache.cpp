@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <list>
@@ -480,6 +481,51 @@ static void prompt_uploads_once() {
     }
 }
 
+static void prompt_unrouted() {
+    // uploads issued ahead of the router (the scheduler's fills): the prompt plan stages every expert and admits
+    // uploads into free slots in expert order without the routing. With 96 slots of 128, the first ubatch makes
+    // experts 0-95 resident, every later one reads those 96 and uploads the other 32, and nothing is replaced
+    llama_moe_cache c = one_layer(128, 96);
+    bank b(c);
+    llama_moe_cache_prompt_plan p;
+    for (int ub = 0; ub < 4; ub++) {
+        c.prompt_stage(0, nullptr, 0, 8, 8, true, p);
+        c.prompt_admit(0, nullptr, 0, 8, 8, p);
+        b.prompt(c, 0, p);
+        CHECK(p.reads.size() == (ub == 0 ? 0u : 96u), "ubatch %d: %zu reads", ub, p.reads.size());
+        CHECK(p.uploads.size() == (ub == 0 ? 128u : 32u), "ubatch %d: %zu uploads", ub, p.uploads.size());
+        CHECK(p.admits.size() == (ub == 0 ? 96u : 0u), "ubatch %d: %zu admits", ub, p.admits.size());
+        for (size_t i = 0; i < p.admits.size(); i++) {
+            CHECK(p.admits[i].expert == (int32_t) i && p.evicted[i] == -1, "admit %zu: expert %d over %d", i,
+                    p.admits[i].expert, p.evicted[i]);
+        }
+        check_cache(c);
+    }
+    const llama_moe_cache_stats st = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    CHECK(st.n_ubatches == 4 && st.n_hits == 3 * 96 && st.n_misses == 128 + 3 * 32 && st.n_fills == 96 && st.n_evictions == 0,
+            "stats: %" PRIu64 " ubatches, %" PRIu64 " hits, %" PRIu64 " misses, %" PRIu64 " fills, %" PRIu64 " evictions",
+            st.n_ubatches, st.n_hits, st.n_misses, st.n_fills, st.n_evictions);
+
+    // admits whose bytes did not all land are taken back: a fresh cache, one ubatch, its admits undone, and the next
+    // ubatch finds nothing resident and admits the same experts into the same slots again
+    llama_moe_cache u = one_layer(128, 96);
+    u.prompt_stage(0, nullptr, 0, 8, 8, true, p);
+    u.prompt_admit(0, nullptr, 0, 8, 8, p);
+    const std::vector<llama_moe_cache_fill> first = p.admits;
+    u.unadmit(0, first);
+    check_cache(u);
+    CHECK(u.layer(0)->n_free == 96 && u.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT).n_fills == 0, "%d free, %" PRIu64 " fills",
+            u.layer(0)->n_free, u.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT).n_fills);
+    u.prompt_stage(0, nullptr, 0, 8, 8, true, p);
+    CHECK(p.reads.empty() && p.uploads.size() == 128, "%zu reads, %zu uploads after the undo", p.reads.size(), p.uploads.size());
+    u.prompt_admit(0, nullptr, 0, 8, 8, p);
+    CHECK(p.admits.size() == first.size(), "%zu admits, %zu before", p.admits.size(), first.size());
+    for (size_t i = 0; i < p.admits.size(); i++) {
+        CHECK(p.admits[i].expert == first[i].expert && p.admits[i].slot == first[i].slot, "admit %zu differs", i);
+    }
+    check_cache(u);
+}
+
 static void prompt_no_thrash() {
     // 128 experts, all routed by every 512-token ubatch (skew 0), 96 slots: after the first ubatch the 96 residents
     // are read from the bank and only the other 32 are uploaded, where a plain LRU sends all 128 again every time
@@ -771,6 +817,7 @@ int main(int argc, char ** argv) {
         { "prompt-no-thrash",        prompt_no_thrash },
         { "prompt-hysteresis",       prompt_hysteresis },
         { "prompt-two-steps",        prompt_two_steps },
+        { "prompt-unrouted",         prompt_unrouted },
         { "stats-arithmetic",        stats_arithmetic },
         { "skip-fill",               skip_fill },
     };

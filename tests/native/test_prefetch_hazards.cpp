@@ -8,7 +8,7 @@
 //                                         earlier-buffer-fails | headroom-later | meta-input | mixed-sizes |
 //                                         budget-steps | ring-overlap | mixed-budget | one-split |
 //                                         headroom-other-device | ring-oplog | ring-oplog-wide |
-//                                         chain-dims | poison-then-small
+//                                         chain-dims | poison-then-small | copy-callbacks
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -191,6 +191,26 @@ static std::vector<float> ones_x(float v) {
     return x;
 }
 
+// y2 = w2 (w1 x) on SIM, allocated, x set to ones_x(0.25); `error` says why the allocation failed
+struct two_matmuls {
+    ggml_cgraph *      gf = nullptr;
+    ggml_tensor *      y2 = nullptr;
+    std::vector<float> want; // y2's values
+    std::string        error;
+
+    explicit two_matmuls(fixture & f) {
+        ggml_tensor * x = f.input_x();
+        y2 = f.mm(f.w2, f.mm(f.w1, x));
+        gf = f.graph_of(y2);
+        error = f.alloc(gf);
+        if (error.empty()) {
+            const std::vector<float> xv = ones_x(0.25f);
+            ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+            want = matmul(weight_values(2), matmul(weight_values(1), xv, N), N);
+        }
+    }
+};
+
 // two weight splits on SIM, both uploaded ahead (or copied at split time below min_batch); optional abort
 static int two_splits(const std::string & name, int min_batch, bool expect_ahead, int depth = 2) {
     fixture f;
@@ -205,23 +225,16 @@ static int two_splits(const std::string & name, int min_batch, bool expect_ahead
             return fail(name, "reserve of the large graph failed");
         }
     }
-    ggml_tensor * x = f.input_x();
-    ggml_tensor * y1 = f.mm(f.w1, x);
-    ggml_tensor * y2 = f.mm(f.w2, y1);
-    ggml_cgraph * gf = f.graph_of(y2);
-    const std::string alloc_error = f.alloc(gf);
-    if (!alloc_error.empty()) {
-        return fail(name, alloc_error);
+    const two_matmuls c(f);
+    if (!c.error.empty()) {
+        return fail(name, c.error);
     }
-    const std::vector<float> xv = ones_x(0.25f);
-    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
     std::string why;
     for (int rep = 0; rep < 3; rep++) { // the same allocation computed again, as llama.cpp reuses graphs
-        if (ggml_backend_sched_graph_compute(f.sched, gf) != GGML_STATUS_SUCCESS) {
+        if (ggml_backend_sched_graph_compute(f.sched, c.gf) != GGML_STATUS_SUCCESS) {
             return fail(name, "compute failed");
         }
-        const std::vector<float> want = matmul(weight_values(2), matmul(weight_values(1), xv, N), N);
-        if (!close_to(f.get(y2), want, why)) {
+        if (!close_to(f.get(c.y2), c.want, why)) {
             return fail(name, "repetition " + std::to_string(rep) + ": " + why);
         }
     }
@@ -1200,6 +1213,79 @@ static int poison_then_small(const std::string & name) {
     return 0;
 }
 
+// an owner of w1 that writes its staged copy from bytes of its own (the expert cache's role); counts what it wrote
+struct copy_owner {
+    const ggml_tensor * weight = nullptr;
+    std::vector<float> bytes;      // w1's values, held apart from w1
+    size_t             written = 0;
+    int                calls   = 0;
+};
+
+static ggml_backend_sched_copy_mode owner_mode(const ggml_tensor * weight, void * user_data) {
+    const copy_owner & o = *(const copy_owner *) user_data;
+    return weight == o.weight ? GGML_BACKEND_SCHED_COPY_NONE : GGML_BACKEND_SCHED_COPY_AHEAD;
+}
+
+static void owner_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t offset, size_t size, ggml_backend_t queue,
+                       void * user_data) {
+    copy_owner & o = *(copy_owner *) user_data;
+    if (weight != o.weight) {
+        fprintf(stderr, "owner_fill: asked to fill %s, which its mode left to the scheduler\n", weight->name);
+        abort();
+    }
+    ggml_backend_tensor_set_async(queue, copy, (const char *) o.bytes.data() + offset, offset, size);
+    o.written += size;
+    o.calls++;
+}
+
+// the copy callbacks: the owner writes w1's staged copy, the scheduler uploads w2; callbacks cleared (or replaced)
+// after the allocation apply to the computes of that same allocation too, never calling a fill that is gone
+static int copy_callbacks(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on())) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    copy_owner owner;
+    owner.weight = f.w1;
+    owner.bytes  = weight_values(1);
+    ggml_backend_sched_set_copy_callbacks(f.sched, owner_mode, owner_fill, &owner);
+    const two_matmuls c(f);
+    if (!c.error.empty()) {
+        return fail(name, c.error);
+    }
+    std::string why;
+    // 0, 1: the owner fills w1; 2: callbacks cleared; 3: another owner, of no weight of this graph
+    copy_owner other;
+    for (int rep = 0; rep < 4; rep++) {
+        if (rep == 2) {
+            ggml_backend_sched_set_copy_callbacks(f.sched, nullptr, nullptr, nullptr);
+        } else if (rep == 3) {
+            ggml_backend_sched_set_copy_callbacks(f.sched, owner_mode, owner_fill, &other);
+        }
+        ggml_backend_sched_reset_stats(f.sched);
+        if (ggml_backend_sched_graph_compute(f.sched, c.gf) != GGML_STATUS_SUCCESS) {
+            return fail(name, "compute " + std::to_string(rep) + " failed");
+        }
+        if (!close_to(f.get(c.y2), c.want, why)) {
+            return fail(name, "compute " + std::to_string(rep) + ": " + why);
+        }
+        ggml_backend_sched_stats st;
+        ggml_backend_sched_get_stats(f.sched, &st);
+        const uint64_t want_uploads = rep < 2 ? 1 : 2; // w2 alone while the owner fills w1
+        if (st.n_prefetch_uploads != want_uploads) {
+            return fail(name, "compute " + std::to_string(rep) + ": " + std::to_string(st.n_prefetch_uploads) +
+                              " uploads by the scheduler, expected " + std::to_string(want_uploads));
+        }
+    }
+    if (owner.written != 2 * ggml_nbytes(f.w1) || other.calls != 0) {
+        return fail(name, "the owner wrote " + std::to_string(owner.written) + " bytes in " + std::to_string(owner.calls) +
+                          " calls, expected twice w1's " + std::to_string(ggml_nbytes(f.w1)) + "; the other owner was called " +
+                          std::to_string(other.calls) + " times");
+    }
+    printf("ok %s: the owner wrote w1 twice (%d calls), then the scheduler uploaded it\n", name.c_str(), owner.calls);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     struct test_case {
         const char * name;
@@ -1237,6 +1323,7 @@ int main(int argc, char ** argv) {
         { "ring-oplog-wide",      [](const std::string & n) { return ring_oplog(n, { 512, 1024, 512, 1024, 512 }); } },
         { "chain-dims",           chain_dims },
         { "poison-then-small",    poison_then_small },
+        { "copy-callbacks",       copy_callbacks },
     };
     if (argc == 2) {
         for (const test_case & c : cases) {

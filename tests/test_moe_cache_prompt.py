@@ -1,0 +1,112 @@
+"""The expert cache's prompt path (issue 12, item 2), on SIM: a prompt ubatch that uploads host weights ahead lets
+the cache write the staged copies of its layers' experts, copying the residents from the banks and uploading only
+the others, and filling free slots with what it uploaded. The computation reads the staged copies, so the logits are
+those of the cache off; what moved over which path is in the prompt counters."""
+from __future__ import annotations
+
+import pytest
+
+from pyllama_moe import models, runner
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
+
+# GGML_SCHED_PREFETCH=2: SIM devices upload ahead (the default mode is for CUDA-family devices alone)
+SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50", "GGML_SCHED_PREFETCH": "2"}
+PROMPT = [(i * 7919) % 4000 + 16 for i in range(512)]
+UBATCH = 128  # the prefetch's min batch: 4 prompt ubatches, each uploading ahead
+N_UBATCHES = len(PROMPT) // UBATCH
+N_LAYERS, N_EXPERT = 4, 16  # the tiny qwen3moe of ci/matrix.toml
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+def _run(build, src, model, cache_mib: int, env=None, want_logits=True):
+    spec = runner.RunSpec(model=model, tokens=PROMPT, cpu_moe=True, load_mode="none", repack=False, threads=2,
+                          n_ubatch=UBATCH, n_batch=512, generate=8, stats=True, want_logits=want_logits,
+                          env={**SIM_ENV, "LLAMA_MOE_CACHE_MIB": str(cache_mib), **(env or {})})
+    return runner.run(build, src, spec)
+
+
+@pytest.fixture(scope="module")
+def reference(patched_build, src, model):
+    return _run(patched_build, src, model, 0)
+
+
+def _same(a, b):
+    assert a.logits_sha256 == b.logits_sha256
+    assert a.generated == b.generated and a.decode_logits_sha256 == b.decode_logits_sha256
+
+
+def test_a_prompt_whose_experts_fit_uploads_each_expert_once(patched_build, src, model, reference):
+    got = _run(patched_build, src, model, 8)
+    assert f"4 MoE layers with their experts on the host, {N_EXPERT}-{N_EXPERT} of {N_EXPERT} expert slots" in got.log
+    _same(got, reference)
+    p = got.stats["prompt"]["cache_prompt"]
+    per_layer_ubatches = N_LAYERS * N_UBATCHES
+    assert p["n_ubatches"] == per_layer_ubatches
+    # the first ubatch uploads every expert and makes it resident; the three after it read them all from the banks
+    assert p["n_misses"] == N_LAYERS * N_EXPERT and p["n_fills"] == N_LAYERS * N_EXPERT and p["n_evictions"] == 0
+    assert p["n_hits"] == (N_UBATCHES - 1) * N_LAYERS * N_EXPERT
+    # bytes: the uploads once, and on the device the reads (3 per expert) and the admits (1 per expert)
+    assert p["bytes_uploaded"] > 0 and p["bytes_copied"] == N_UBATCHES * p["bytes_uploaded"]
+    # the scheduler uploaded none of the expert tensors itself, where without the cache it sent them every ubatch
+    assert got.stats["prompt"]["prefetch_upload_bytes"] == 0
+    assert reference.stats["prompt"]["prefetch_upload_bytes"] == N_UBATCHES * p["bytes_uploaded"]
+    # and the decode after it finds every expert resident
+    d = got.stats["generate"]["cache_decode"]
+    assert d["n_hits"] > 0 and d["n_misses"] == 0
+    assert "expert cache, prompts: 16 layer steps, 192 experts read from the banks, 64 uploaded" in got.log
+
+
+def test_a_small_cache_keeps_its_first_residents_through_the_prompt(patched_build, src, model, reference):
+    # 2 MiB: 5 of 16 slots per layer. The first ubatch fills them, no later one replaces them (a prompt ubatch routes
+    # to nearly every expert: LRU would send all of them again each time)
+    got = _run(patched_build, src, model, 2)
+    assert "5-5 of 16 expert slots" in got.log
+    _same(got, reference)
+    p = got.stats["prompt"]["cache_prompt"]
+    assert p["n_fills"] == N_LAYERS * 5 and p["n_evictions"] == 0
+    assert p["n_hits"] == (N_UBATCHES - 1) * N_LAYERS * 5
+    assert p["n_misses"] == N_LAYERS * (N_EXPERT + (N_UBATCHES - 1) * (N_EXPERT - 5))
+    expert_bytes = reference.stats["prompt"]["prefetch_upload_bytes"] // (N_UBATCHES * N_LAYERS * N_EXPERT)
+    assert p["bytes_uploaded"] == p["n_misses"] * expert_bytes
+
+
+def test_a_prompt_graph_whose_last_layer_reads_the_banks(patched_build, src, model):
+    # only the last token is an output: the prompt's last ubatch computes its last layer for one row, which reads the
+    # banks through the decode plan on the compute stream, while the copy queue stages the other layers' experts
+    # from the same banks; the decode after it switches queues again
+    ref = _run(patched_build, src, model, 0, want_logits=False)
+    got = _run(patched_build, src, model, 2, want_logits=False)
+    assert got.generated == ref.generated and got.decode_logits_sha256 == ref.decode_logits_sha256
+    assert got.stats["prompt"]["cache_decode"]["n_ubatches"] == 1  # the last layer of the last prompt ubatch
+    assert got.stats["prompt"]["cache_prompt"]["n_hits"] > 0
+
+
+def test_a_stale_admit_changes_the_prompt(patched_build, src, model, reference):
+    # the 3rd fill (layer 0's expert 2, admitted in the first ubatch) is never copied into its slot: the second
+    # ubatch stages the slot's zeros for that expert, and the prompt's logits must change
+    got = _run(patched_build, src, model, 8, {"LLAMA_MOE_CACHE_DEBUG_SKIP_FILL": "3"})
+    assert got.stats["prompt"]["cache_prompt"]["n_hits"] > 0
+    assert got.logits_sha256 != reference.logits_sha256
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    return models.ensure_model("gpt-oss", load_matrix(CI_DIR / "matrix.toml").models["gpt-oss"])
+
+
+def test_a_layer_staged_in_part_keeps_no_admit(patched_build, src, gpt_oss):
+    # From the cold read: a plan admits experts for every tensor of a layer, but only the staged tensors get bytes.
+    # With ops offloaded from 200 rows, gpt-oss's expert matmuls of a 128-token ubatch stay on the CPU while the
+    # bias adds (4 x 128 rows) go to SIM: only the biases are staged through the cache. Their admits must be taken
+    # back, else decode reads weight slots that were never written.
+    env = {"GGML_OP_OFFLOAD_MIN_BATCH": "200"}
+    ref = _run(patched_build, src, gpt_oss, 0, env)
+    got = _run(patched_build, src, gpt_oss, 8, env)
+    assert "expert cache on SIM0" in got.log
+    assert got.stats["prompt"]["cache_prompt"]["n_ubatches"] > 0  # the biases were staged through the cache
+    _same(got, ref)
