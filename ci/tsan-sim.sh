@@ -33,19 +33,23 @@ for devices in 1 2; do
    done
   done
 done
-# the expert cache (issue 12): decode reads the banks, the eval callback reads the router's ids back and uploads misses
-# and the slot map on the SIM stream while its compute thread runs; 64 generated tokens evicting every token
-head -c 2000 "$corpus" > "$out/prompt.txt"  # ~500 tokens: a prompt on the host path, then the decode
+# the expert cache (issue 12): the prompt's ubatches of 128 tokens upload ahead (mode 2), the cache staging their
+# experts on the copy queue from the banks and the host (the scheduler's fill callback, on the thread that queues the
+# splits); then decode reads the banks, the eval callback reads the router's ids back and uploads misses and the slot
+# map on the SIM stream while its compute thread runs; 64 generated tokens evicting every token
+head -c 2000 "$corpus" > "$out/prompt.txt"  # ~500 tokens: 3 ubatches staged through the cache and a short rest
 for devices in 1 2; do
     name="sim${devices}-cmoe-cache"
     rm -f "$out/$name.ops.jsonl"
-    LLAMA_MOE_CACHE_MIB=2 GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices "$build/bin/llama-completion" -m "$model" \
-        -f "$out/prompt.txt" -c 2048 -n 64 -ub 512 -t 2 -nr --fit off -ngl 99 -cmoe --temp 0 -no-cnv -v > "$out/$name.log" 2>&1 < /dev/null
+    GGML_SCHED_PREFETCH=2 LLAMA_MOE_CACHE_MIB=2 GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices \
+        "$build/bin/llama-completion" -m "$model" -f "$out/prompt.txt" -c 2048 -n 64 -b 512 -ub 128 -t 2 -nr --fit off \
+        -ngl 99 -cmoe --temp 0 -no-cnv -v > "$out/$name.log" 2>&1 < /dev/null
     rc=$?
     n=$(grep -c "WARNING: ThreadSanitizer" "$out/$name.log")
     ours=$(grep -A12 "WARNING: ThreadSanitizer" "$out/$name.log" | grep -c "ggml-sim\|ggml-backend.cpp\|llama-moe")
     steps=$(grep -o "expert cache, decode: [0-9]* layer steps" "$out/$name.log")
-    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim, ggml-backend.cpp or llama-moe), ${steps:-no cache summary}"
+    prompt=$(grep -o "expert cache, prompts: [0-9]* layer steps, [0-9]* experts read from the banks" "$out/$name.log")
+    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim, ggml-backend.cpp or llama-moe), ${steps:-no cache summary}; ${prompt:-no prompt summary}"
     total=$((total + n))
 done
 echo "total reports: $total"

@@ -34,10 +34,12 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         expected |= {"sim-races"} if sim else set()
         # experts on the host of a SIM cell with mmap: they must have been page-locked in place
         expected |= {"pinned"} if sim and cell["cell"]["load"] == "mmap" and cell["cell"]["offload"] != "all" else set()
-        # with the prefetch forced on, a sim cell also proves the copies went ahead (or, below the batch, did not)
-        expected |= {"prefetch"} if sim and cell["cell"]["knobs"].startswith("prefetch") else set()
-        # with the expert cache on, banks were made and decode read them
-        expected |= {"cache"} if cell["cell"]["knobs"] == "moe-cache" else set()
+        # with the prefetch forced on (the prefetch knobs, and the cache's, whose prompts stage through it), a sim cell
+        # also proves the copies went ahead (or, below the batch, did not)
+        knobs = cell["cell"]["knobs"]
+        expected |= {"prefetch"} if sim and knobs.startswith(("prefetch", "moe-cache")) else set()
+        # with the expert cache on, banks were made, decode read them, and prompts that upload ahead staged through it
+        expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single") else set()
         assert set(checks) == expected and all(c["identical"] for c in checks.values())
         assert checks["logits"]["detail"]["positions"] == 600
         generate = cell["cell"]["generate"]
@@ -48,7 +50,7 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         assert control["status"] == "pass"
         checks = {c["name"]: c for c in control["checks"]}
         if name == "control/sim-moe-cache-stale":
-            # the prompt takes the host path; what the stale slot changed is the decode
+            # the prompt's one ubatch ahead admits 20 experts; the 50th fill, left stale, is a decode fill
             assert checks["logits"]["identical"] and not checks["decode-logits"]["identical"]
             assert checks["cache"]["identical"]
             continue

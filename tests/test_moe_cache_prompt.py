@@ -61,6 +61,22 @@ def test_a_prompt_whose_experts_fit_uploads_each_expert_once(patched_build, src,
     assert "expert cache, prompts: 16 layer steps, 192 experts read from the banks, 64 uploaded" in got.log
 
 
+def test_batched_and_single_copies_compute_the_same(patched_build, src, model, reference):
+    # SIM offers ggml_backend_copy_regions_async (as CUDA does, tested on its own in the hazard case copy-regions):
+    # each staged piece takes at most one call for its uploads and one for its device copies; with
+    # LLAMA_MOE_CACHE_COPY_BATCH=0 one call per run. A fresh cache's residents are one run per tensor (admits go to
+    # free slots in expert order), so here the counts agree; the bytes and the plan must agree too
+    batched = _run(patched_build, src, model, 2)
+    single = _run(patched_build, src, model, 2, {"LLAMA_MOE_CACHE_COPY_BATCH": "0"})
+    _same(batched, reference)
+    _same(single, reference)
+    b, s = batched.stats["prompt"]["cache_prompt"], single.stats["prompt"]["cache_prompt"]
+    assert b == s
+    # per layer: the first ubatch one upload run and one admit run, each later one a read run and an upload run, for
+    # each of the 3 expert tensors
+    assert b["n_copy_calls"] == N_LAYERS * N_UBATCHES * 3 * 2
+
+
 def test_a_small_cache_keeps_its_first_residents_through_the_prompt(patched_build, src, model, reference):
     # 2 MiB: 5 of 16 slots per layer. The first ubatch fills them, no later one replaces them (a prompt ubatch routes
     # to nearly every expert: LRU would send all of them again each time)

@@ -8,6 +8,7 @@
 #include "llama-moe.h"
 
 #include "ggml-alloc.h"
+#include "ggml-copy-regions.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -32,6 +33,8 @@ struct rt_layer {
     int32_t            il      = -1;
     ggml_backend_dev_t dev     = nullptr;
     ggml_backend_t     backend = nullptr; // the scheduler's backend of dev: uploads go on the stream that computes
+    // dev's batched copies (ggml-copy-regions.h), or null: one call per run (also with LLAMA_MOE_CACHE_COPY_BATCH=0)
+    ggml_backend_copy_regions_async_t copy_regions = nullptr;
     llama_moe_cache_graph_layer g; // the tensors it copies, their banks and the slot map
     int32_t n_slots = 0;
     int32_t n_used  = 0; // experts per token in this layer
@@ -49,6 +52,15 @@ struct rt_layer {
     // stop before the rest
     std::vector<llama_moe_cache_fill> pending;
     size_t filled[LLAMA_MOE_CACHE_N_TENSORS] = {};
+};
+
+// a copy of a run of bytes into or out of a staged copy: from the host weight (src null) or a bank, to a tensor
+struct fill_move {
+    const ggml_tensor * src; // null: the host weight
+    size_t              src_offset;
+    ggml_tensor *       dst;
+    size_t              dst_offset;
+    size_t              size;
 };
 
 struct llama_moe_cache_rt {
@@ -71,6 +83,9 @@ struct llama_moe_cache_rt {
     std::vector<int32_t> ids_host;    // the router's ids read back, reused
     llama_moe_cache_decode_plan dplan;
     llama_moe_cache_prompt_plan pplan;
+    std::vector<fill_move> fill_uploads;  // copy_fill's moves and regions, reused
+    std::vector<fill_move> fill_device;
+    std::vector<ggml_backend_copy_region> fill_regions;
 
     // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int>> host_tensor;
@@ -103,6 +118,13 @@ static int32_t decode_max_tokens() {
         return v > 0 ? (int32_t) v : 8;
     }();
     return n;
+}
+
+// LLAMA_MOE_CACHE_COPY_BATCH=0: a prompt's staging copies one run per call even where the device batches them (for
+// comparisons and to test that path); read once
+static bool copy_batch_on() {
+    static const bool on = llama_moe_env_whole("LLAMA_MOE_CACHE_COPY_BATCH", 0, 1) != 0;
+    return on;
 }
 
 // why layer il's experts cannot be cached, or nullptr; fills the host tensors
@@ -244,6 +266,10 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
         l.n_expert = (int32_t) hp.n_expert;
         const char * why = layer_unfit(model, il, l);
         if (why == nullptr) {
+            if (copy_batch_on()) {
+                l.copy_regions = (ggml_backend_copy_regions_async_t) ggml_backend_reg_get_proc_address(
+                        ggml_backend_dev_backend_reg(l.dev), GGML_BACKEND_COPY_REGIONS_PROC);
+            }
             cand.push_back(l);
         } else if (strcmp(why, "dense") != 0 && strcmp(why, "on a device") != 0 && why_none.empty()) {
             why_none = std::string("layer ") + std::to_string(il) + "'s experts are " + why;
@@ -501,8 +527,13 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
         return;
     }
     l.prompt_graph = rt.n_graphs;
+    // the planner counts one call per run and tensor; copy_fill counts the calls it makes instead (batched, or one per
+    // run and piece)
+    llama_moe_cache_stats & st = rt.plan->layers[rt.index[l.il]].stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+    const uint64_t n_calls = st.n_copy_calls;
     rt.plan->prompt_stage(l.il, nullptr, 0, l.n_used, l.n_used, true, rt.pplan);
     rt.plan->prompt_admit(l.il, nullptr, 0, l.n_used, l.n_used, rt.pplan);
+    st.n_copy_calls = n_calls;
     std::fill(l.read_slot.begin(), l.read_slot.end(), -1);
     std::fill(l.admit_slot.begin(), l.admit_slot.end(), -1);
     for (const llama_moe_cache_fill & f : rt.pplan.reads) {
@@ -532,6 +563,31 @@ static void settle_prompt_admits(llama_moe_cache_rt & rt) {
     }
 }
 
+// the moves of one kind in one call where the device's registry offers ggml_backend_copy_regions_async, else one
+// call each; returns the calls
+static int issue_moves(const rt_layer & l, ggml_backend_t queue, const ggml_tensor * weight, const std::vector<fill_move> & moves,
+        bool from_host, std::vector<ggml_backend_copy_region> & regions) {
+    if (moves.empty()) {
+        return 0;
+    }
+    if (l.copy_regions != nullptr) {
+        regions.clear();
+        for (const fill_move & m : moves) {
+            const ggml_tensor * src = from_host ? weight : m.src;
+            regions.push_back({ (const char *) src->data + m.src_offset, (char *) m.dst->data + m.dst_offset, m.size });
+        }
+        return l.copy_regions(queue, regions.data(), (int) regions.size(), from_host);
+    }
+    for (const fill_move & m : moves) {
+        if (from_host) {
+            ggml_backend_tensor_set_async(queue, m.dst, (const char *) weight->data + m.src_offset, m.dst_offset, m.size);
+        } else {
+            copy_on_device(queue, m.src, m.src_offset, m.dst, m.dst_offset, m.size);
+        }
+    }
+    return (int) moves.size();
+}
+
 static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t offset, size_t size, ggml_backend_t queue,
         void * user_data) {
     llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
@@ -552,7 +608,12 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
     const size_t end = offset + size;
     GGML_ASSERT(end <= (size_t) l.n_expert * nb);
     // runs of experts that move alike: uploads of consecutive experts, reads of consecutive experts from consecutive
-    // slots, each one call; an admit run follows the upload run it copies
+    // slots; the admits of an upload run after it, in runs of consecutive slots. Uploads are queued first, then the
+    // device copies (reads and admits touch disjoint bytes, and every admit follows its upload)
+    std::vector<fill_move> & ups  = rt.fill_uploads;
+    std::vector<fill_move> & devs = rt.fill_device;
+    ups.clear();
+    devs.clear();
     for (size_t lo = offset; lo < end; ) {
         const int32_t e0   = (int32_t) (lo / nb);
         const int32_t slot = l.read_slot[e0];
@@ -562,10 +623,9 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
         }
         const size_t hi = std::min(end, (size_t) e1 * nb);
         if (slot >= 0) {
-            copy_on_device(queue, l.g.bank[k], (size_t) slot * nb + (lo - (size_t) e0 * nb), copy, lo, hi - lo);
-            rt.banks_on_queue = true;
+            devs.push_back({ l.g.bank[k], (size_t) slot * nb + (lo - (size_t) e0 * nb), copy, lo, hi - lo });
         } else {
-            ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + lo, lo, hi - lo);
+            ups.push_back({ nullptr, lo, copy, lo, hi - lo });
             for (size_t a = lo; a < hi; ) {
                 const int32_t ea = (int32_t) (a / nb);
                 int32_t eb = ea + 1;
@@ -574,14 +634,17 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
                 }
                 const size_t b = std::min(hi, (size_t) eb * nb);
                 if (l.admit_slot[ea] >= 0) {
-                    copy_on_device(queue, copy, a, l.g.bank[k], (size_t) l.admit_slot[ea] * nb + (a - (size_t) ea * nb), b - a);
-                    rt.banks_on_queue = true;
+                    devs.push_back({ copy, a, l.g.bank[k], (size_t) l.admit_slot[ea] * nb + (a - (size_t) ea * nb), b - a });
                 }
                 a = b;
             }
         }
         lo = hi;
     }
+    const int calls = issue_moves(l, queue, weight, ups, true, rt.fill_regions) +
+                      issue_moves(l, queue, weight, devs, false, rt.fill_regions);
+    rt.plan->layers[rt.index[l.il]].stats[LLAMA_MOE_CACHE_PHASE_PROMPT].n_copy_calls += calls;
+    rt.banks_on_queue = rt.banks_on_queue || !devs.empty();
 }
 
 void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {

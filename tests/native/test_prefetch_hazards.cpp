@@ -8,7 +8,7 @@
 //                                         earlier-buffer-fails | headroom-later | meta-input | mixed-sizes |
 //                                         budget-steps | ring-overlap | mixed-budget | one-split |
 //                                         headroom-other-device | ring-oplog | ring-oplog-wide |
-//                                         chain-dims | poison-then-small | copy-callbacks
+//                                         chain-dims | poison-then-small | copy-callbacks | copy-regions
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -20,6 +20,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml-sim.h"
+#include "ggml-copy-regions.h"
 
 #include <algorithm>
 #include <chrono>
@@ -1286,6 +1287,67 @@ static int copy_callbacks(const std::string & name) {
     return 0;
 }
 
+// the registry proc ggml_backend_copy_regions_async on SIM: 100 device regions (odd sizes and offsets, reversed
+// order) in one call, then 100 uploads from the host in one call, every byte where it belongs after a synchronize
+static int copy_regions(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on())) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    auto copy = (ggml_backend_copy_regions_async_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(ggml_backend_get_device(f.sim)), GGML_BACKEND_COPY_REGIONS_PROC);
+    if (copy == nullptr) {
+        return fail(name, "SIM offers no " GGML_BACKEND_COPY_REGIONS_PROC);
+    }
+    const int n = 100, stride = 1000;
+    ggml_init_params ip = { 4 * ggml_tensor_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * from = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, n * stride);
+    ggml_tensor * to   = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, n * stride);
+    ggml_tensor * up   = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, n * stride);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, f.sim);
+    std::vector<char> host(n * stride), zeros(n * stride, 0);
+    for (int i = 0; i < n * stride; i++) {
+        host[i] = (char) (i * 31 + 7);
+    }
+    ggml_backend_tensor_set(from, host.data(), 0, host.size());
+    ggml_backend_tensor_set(to, zeros.data(), 0, zeros.size());
+    ggml_backend_tensor_set(up, zeros.data(), 0, zeros.size());
+    std::vector<ggml_backend_copy_region> dev_regions, host_regions;
+    for (int i = 0; i < n; i++) {
+        const size_t skip = i % 7, size = stride - skip;
+        dev_regions.push_back({ (char *) from->data + i * stride + skip, (char *) to->data + (n - 1 - i) * stride, size });
+        host_regions.push_back({ host.data() + i * stride, (char *) up->data + (n - 1 - i) * stride + skip, size });
+    }
+    const int dev_calls  = copy(f.sim, dev_regions.data(), n, false);
+    const int host_calls = copy(f.sim, host_regions.data(), n, true);
+    ggml_backend_synchronize(f.sim);
+    std::vector<char> got_to(n * stride), got_up(n * stride);
+    ggml_backend_tensor_get(to, got_to.data(), 0, got_to.size());
+    ggml_backend_tensor_get(up, got_up.data(), 0, got_up.size());
+    std::string why;
+    for (int i = 0; i < n && why.empty(); i++) {
+        const size_t skip = i % 7;
+        for (size_t b = 0; b < (size_t) stride && why.empty(); b++) {
+            const char want_to = b < stride - skip ? host[i * stride + skip + b] : 0;
+            const char want_up = b >= skip ? host[i * stride + b - skip] : 0;
+            if (got_to[(n - 1 - i) * stride + b] != want_to || got_up[(n - 1 - i) * stride + b] != want_up) {
+                why = "region " + std::to_string(i) + ", byte " + std::to_string(b) + " differs";
+            }
+        }
+    }
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    if (!why.empty()) {
+        return fail(name, why);
+    }
+    if (dev_calls != 1 || host_calls != 1) {
+        return fail(name, std::to_string(dev_calls) + " and " + std::to_string(host_calls) + " calls, expected 1 and 1");
+    }
+    printf("ok %s: 100 device regions and 100 uploads, one call each\n", name.c_str());
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     struct test_case {
         const char * name;
@@ -1324,6 +1386,7 @@ int main(int argc, char ** argv) {
         { "chain-dims",           chain_dims },
         { "poison-then-small",    poison_then_small },
         { "copy-callbacks",       copy_callbacks },
+        { "copy-regions",         copy_regions },
     };
     if (argc == 2) {
         for (const test_case & c : cases) {

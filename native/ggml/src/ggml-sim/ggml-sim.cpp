@@ -18,6 +18,7 @@
 // tensor structs later. The snapshot keeps the caller's use counts, so CPU op fusion decides as it would have.
 #include "ggml-sim.h"
 #include "ggml-host-map.h"
+#include "ggml-copy-regions.h"
 
 #include "../ggml-backend-impl.h"
 #include "../ggml-impl.h"
@@ -930,6 +931,31 @@ bool sim_backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t bac
     return true;
 }
 
+// ggml_backend_copy_regions_async (ggml-copy-regions.h): every region in one task of the stream, as one CUDA call
+int sim_copy_regions_async(ggml_backend_t backend, const ggml_backend_copy_region * regions, int n_regions, bool host_src) {
+    GGML_UNUSED(host_src); // SIM memory is host memory: both kinds copy alike
+    if (n_regions <= 0) {
+        return 0;
+    }
+    sim_stream * st = stream_of(backend);
+    std::vector<ggml_backend_copy_region> rs(regions, regions + n_regions);
+    sim_task task;
+    task.op.kind = "copy"; task.op.tensor = "regions";
+    for (const ggml_backend_copy_region & r : rs) {
+        task.reads.push_back(range_of(r.src, r.size));
+        task.writes.push_back(range_of(r.dst, r.size));
+        task.op.bytes += r.size;
+    }
+    task.delay_ns = copy_delay_ns(task.op.bytes);
+    task.fn = [rs] {
+        for (const ggml_backend_copy_region & r : rs) {
+            memcpy(r.dst, r.src, r.size);
+        }
+    };
+    st->submit(std::move(task));
+    return 1;
+}
+
 void sim_backend_synchronize(ggml_backend_t backend) {
     sim_stream * st = stream_of(backend);
     const int64_t t0 = now_ns();
@@ -1443,6 +1469,9 @@ void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     }
     if (strcmp(name, GGML_BACKEND_HOST_UNMAP_PROC) == 0) {
         return (void *) (ggml_backend_host_unmap_t) sim_host_unmap;
+    }
+    if (strcmp(name, GGML_BACKEND_COPY_REGIONS_PROC) == 0) {
+        return (void *) (ggml_backend_copy_regions_async_t) sim_copy_regions_async;
     }
     return nullptr;
 }
