@@ -100,6 +100,7 @@ POISON_THEN_SMALL = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SCHED_PREFETC
     # issue 12: the copy callbacks (the expert cache writes its experts' staged copies); cleared or replaced after an
     # allocation, the computes of that allocation must not call the old fill (the cold read found a NULL call)
     ("copy-callbacks", {}),
+    ("copy-at-split", {}),
     # ... and the batched copies the cache stages them with (ggml-copy-regions.h), on SIM
     ("copy-regions", {}),
 ])

@@ -40,13 +40,14 @@ identity)
 pp)
     wait_builds 60 || exit 1
     M=$(skew_model) || exit 1
-    BENCH_MODEL=$M bench 330 --rounds 3 --max-seconds 240 --reps 2 --discard 1 --pin-threads \
+    # ~40 s a round of both builds and load modes (17 GB loaded with -lm none each time): 3 rounds in the time budget
+    BENCH_MODEL=$M bench 200 --rounds 3 --max-seconds 150 --reps 2 --discard 1 --pin-threads \
         --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-master.json" \
         -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp4096-ub512-master.txt"
-    BENCH_MODEL=$M bench 330 --baseline patched --candidate patched --rounds 3 --max-seconds 240 --reps 2 --discard 1 \
+    BENCH_MODEL=$M bench 200 --baseline patched --candidate patched --rounds 3 --max-seconds 150 --reps 2 --discard 1 \
         --pin-threads --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-off.json" \
         -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp4096-ub512-off.txt"
-    BENCH_MODEL=$M bench 420 --baseline patched --candidate patched --rounds 3 --max-seconds 330 --reps 2 --discard 1 \
+    BENCH_MODEL=$M bench 300 --baseline patched --candidate patched --rounds 3 --max-seconds 240 --reps 2 --discard 1 \
         --pin-threads --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
         --json "$OUT/cache-pp32k-ub2048.json" -- -p 32768 -n 0 -b 2048 -ub 2048 -ngl 99 -ncmoe 48,0 -lm none \
         2>&1 | tee "$OUT/cache-pp32k-ub2048.txt"

@@ -599,6 +599,7 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
         // staged on another device than the layer's banks (the scheduler put the matmul elsewhere, e.g. the first GPU
         // of several with op offload): a device-to-device copy between them would wait for both, so from the host
         ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + offset, offset, size);
+        rt.plan->layers[rt.index[l.il]].stats[LLAMA_MOE_CACHE_PHASE_PROMPT].n_copy_calls++;
         return;
     }
     plan_prompt_layer(rt, l);

@@ -8,7 +8,8 @@
 //                                         earlier-buffer-fails | headroom-later | meta-input | mixed-sizes |
 //                                         budget-steps | ring-overlap | mixed-budget | one-split |
 //                                         headroom-other-device | ring-oplog | ring-oplog-wide |
-//                                         chain-dims | poison-then-small | copy-callbacks | copy-regions
+//                                         chain-dims | poison-then-small | copy-callbacks | copy-at-split |
+//                                         copy-regions
 //
 // Every case also checks the memory accounting: the SIM memory the scheduler took (compute buffer and staging
 // arena) is what ggml_backend_sched_get_buffer_size reports.
@@ -1287,6 +1288,44 @@ static int copy_callbacks(const std::string & name) {
     return 0;
 }
 
+static ggml_backend_sched_copy_mode w1_at_split(const ggml_tensor * weight, void * user_data) {
+    return weight == (const ggml_tensor *) user_data ? GGML_BACKEND_SCHED_COPY_AT_SPLIT : GGML_BACKEND_SCHED_COPY_AHEAD;
+}
+
+static void no_fill(const ggml_tensor *, ggml_tensor *, size_t, size_t, ggml_backend_t, void *) {
+    fprintf(stderr, "no_fill: called, but no weight has the mode NONE\n");
+    abort();
+}
+
+// the copy mode AT_SPLIT: w1 is not staged (the arena holds w2 alone) and is copied when its split runs, w2 is
+// uploaded ahead; the result is the same
+static int copy_at_split(const std::string & name) {
+    fixture f;
+    if (!f.init(prefetch_on())) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    ggml_backend_sched_set_copy_callbacks(f.sched, w1_at_split, no_fill, f.w1);
+    const two_matmuls c(f);
+    if (!c.error.empty()) {
+        return fail(name, c.error);
+    }
+    std::string why;
+    for (int rep = 0; rep < 2; rep++) {
+        if (ggml_backend_sched_graph_compute(f.sched, c.gf) != GGML_STATUS_SUCCESS || !close_to(f.get(c.y2), c.want, why)) {
+            return fail(name, "compute " + std::to_string(rep) + ": " + why);
+        }
+    }
+    ggml_backend_sched_stats st;
+    ggml_backend_sched_get_stats(f.sched, &st);
+    const size_t staging = ggml_backend_sched_get_prefetch_size(f.sched, f.sim);
+    if (st.n_prefetch_uploads != 2 || staging != ggml_nbytes(f.w2)) {
+        return fail(name, std::to_string(st.n_prefetch_uploads) + " uploads ahead into " + std::to_string(staging) +
+                          " bytes of staging, expected 2 into w2's " + std::to_string(ggml_nbytes(f.w2)));
+    }
+    printf("ok %s: w1 copied at split time, w2 staged (%zu bytes)\n", name.c_str(), staging);
+    return 0;
+}
+
 // the registry proc ggml_backend_copy_regions_async on SIM: 100 device regions (odd sizes and offsets, reversed
 // order) in one call, then 100 uploads from the host in one call, every byte where it belongs after a synchronize
 static int copy_regions(const std::string & name) {
@@ -1386,6 +1425,7 @@ int main(int argc, char ** argv) {
         { "chain-dims",           chain_dims },
         { "poison-then-small",    poison_then_small },
         { "copy-callbacks",       copy_callbacks },
+        { "copy-at-split",        copy_at_split },
         { "copy-regions",         copy_regions },
     };
     if (argc == 2) {

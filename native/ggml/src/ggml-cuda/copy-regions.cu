@@ -1,19 +1,30 @@
 // copy-regions.cu: a batch of byte copies in few calls (see ggml-copy-regions.h), pyllama_moe.
 //
-// Device regions: one kernel launch per COPY_REGIONS_PER_LAUNCH regions, the table passed by value as a kernel
-// parameter (no upload of its own, nothing to free), one row of blocks per region. Uploads: cudaMemcpyBatchAsync
-// (CUDA 12.8 and later) in stream order; where the toolkit or the driver lacks it, one cudaMemcpyAsync per region.
+// Device regions: a region of COPY_REGIONS_MEMCPY_MIN bytes or more is one cudaMemcpyAsync (the copy engines move
+// it at full bandwidth, and few regions are that large); the smaller ones, where a launch per region was the cost,
+// go in one kernel launch per COPY_REGIONS_PER_LAUNCH regions, the table passed by value as a kernel parameter (no
+// upload of its own, nothing to free), one row of blocks per region. Uploads: cudaMemcpyBatchAsync (CUDA 12.8 and
+// later) in stream order; one cudaMemcpyAsync per region where the toolkit, the driver or the device lacks it.
 #include "copy-regions.cuh"
 
 #include "ggml.h"
+#include "ggml-impl.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
-#define COPY_REGIONS_PER_LAUNCH 64 // 64 x 24 bytes of table: well inside the 4 KiB of kernel parameters
+#define COPY_REGIONS_PER_LAUNCH 64                 // 64 x 24 bytes of table: well inside the 4 KiB of kernel parameters
 #define COPY_REGIONS_THREADS    256
-#define COPY_REGIONS_MAX_BLOCKS 128 // per region: 128 x 256 threads x 16 bytes = 512 KiB per pass
+#define COPY_REGIONS_UNROLL     4                  // 16-byte words in flight per thread
+#define COPY_REGIONS_MEMCPY_MIN (4u * 1024 * 1024) // bytes from which a device region is a cudaMemcpyAsync of its own
+
+#if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+#define COPY_REGIONS_BATCH_UPLOADS 1
+#else
+#define COPY_REGIONS_BATCH_UPLOADS 0
+#endif
 
 struct copy_region_table {
     const char * src[COPY_REGIONS_PER_LAUNCH];
@@ -22,21 +33,42 @@ struct copy_region_table {
 };
 
 static __global__ void k_copy_regions(const copy_region_table table) {
-    const char * src  = table.src[blockIdx.y];
-    char *       dst  = table.dst[blockIdx.y];
-    const size_t size = table.size[blockIdx.y];
+    const char * __restrict__ src = table.src[blockIdx.y];
+    char * __restrict__       dst = table.dst[blockIdx.y];
+    const size_t size   = table.size[blockIdx.y];
     const size_t first  = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     const size_t stride = (size_t) gridDim.x * blockDim.x;
-    size_t done = 0;
-    if ((((uintptr_t) src | (uintptr_t) dst) & 15) == 0) {
-        // 16-byte words where both ends are aligned (expert rows of ggml's quantized types usually are)
-        const size_t n16 = size / 16;
-        for (size_t i = first; i < n16; i += stride) {
-            ((int4 *) dst)[i] = ((const int4 *) src)[i];
-        }
-        done = n16 * 16;
+    // bytes up to the first 16-byte boundary, when both ends reach one together, then 16-byte words
+    size_t head = size;
+    if ((((uintptr_t) src ^ (uintptr_t) dst) & 15) == 0) {
+        const size_t to_boundary = (16 - ((uintptr_t) src & 15)) & 15;
+        head = to_boundary < size ? to_boundary : size;
     }
-    for (size_t i = done + first; i < size; i += stride) {
+    for (size_t i = first; i < head; i += stride) {
+        dst[i] = src[i];
+    }
+    if (head == size) {
+        return;
+    }
+    const int4 * __restrict__ s16 = (const int4 *) (src + head);
+    int4 * __restrict__       d16 = (int4 *) (dst + head);
+    const size_t n16 = (size - head) / 16;
+    for (size_t i = first; i < n16; i += COPY_REGIONS_UNROLL * stride) {
+        int4 v[COPY_REGIONS_UNROLL];
+#pragma unroll
+        for (int u = 0; u < COPY_REGIONS_UNROLL; u++) {
+            if (i + u * stride < n16) {
+                v[u] = s16[i + u * stride];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < COPY_REGIONS_UNROLL; u++) {
+            if (i + u * stride < n16) {
+                d16[i + u * stride] = v[u];
+            }
+        }
+    }
+    for (size_t i = head + n16 * 16 + first; i < size; i += stride) {
         dst[i] = src[i];
     }
 }
@@ -47,32 +79,70 @@ static void check(cudaError_t err, const char * what) {
     }
 }
 
-static int upload_regions(cudaStream_t stream, const ggml_backend_copy_region * regions, int n) {
-#if CUDART_VERSION >= 12080
-    std::vector<void *>       dsts(n);
-    std::vector<const void *> srcs(n);
-    std::vector<size_t>       sizes(n);
-    for (int i = 0; i < n; i++) {
-        dsts[i]  = regions[i].dst;
-        srcs[i]  = regions[i].src;
-        sizes[i] = regions[i].size;
+static int current_device() {
+    int device = 0;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    return device;
+}
+
+#if COPY_REGIONS_BATCH_UPLOADS
+// per device: 1 batched uploads work, -1 not here (said once), 0 not known yet
+static std::atomic<int> g_batch_uploads[64];
+
+// cudaMemcpyBatchAsync reads host memory through the device's own mapping of it: a device that cannot use the host
+// pointer of registered memory (e.g. under WSL2) copies one region at a time, as before
+static bool batch_uploads_usable(int device) {
+    if (device < 0 || device >= 64) {
+        return false;
     }
-    cudaMemcpyAttributes attr = {};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream; // the host memory outlives the call: read in stream order
-    attr.flags          = cudaMemcpyFlagPreferOverlapWithCompute;
-    size_t attr_index   = 0;
-#if CUDART_VERSION >= 13000
-    const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), (size_t) n, &attr, &attr_index, 1, stream);
-#else
-    size_t failed_at = 0;
-    const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), (size_t) n, &attr, &attr_index, 1,
-                                                 &failed_at, stream);
+    int state = g_batch_uploads[device].load();
+    if (state == 0) {
+        int can = 0;
+        check(cudaDeviceGetAttribute(&can, cudaDevAttrCanUseHostPointerForRegisteredMem, device), "cudaDeviceGetAttribute");
+        state = can ? 1 : -1;
+        if (!can) {
+            GGML_LOG_INFO("copy regions: device %d cannot use host pointers of registered memory: one upload per region\n", device);
+        }
+        g_batch_uploads[device].store(state);
+    }
+    return state > 0;
+}
 #endif
-    if (err == cudaSuccess) {
-        return 1;
+
+static int upload_regions(cudaStream_t stream, const ggml_backend_copy_region * regions, int n) {
+#if COPY_REGIONS_BATCH_UPLOADS
+    const int device = current_device();
+    if (batch_uploads_usable(device)) {
+        std::vector<void *>       dsts(n);
+        std::vector<const void *> srcs(n);
+        std::vector<size_t>       sizes(n);
+        for (int i = 0; i < n; i++) {
+            dsts[i]  = regions[i].dst;
+            srcs[i]  = regions[i].src;
+            sizes[i] = regions[i].size;
+        }
+        cudaMemcpyAttributes attr = {};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream; // the host memory outlives the call: read in stream order
+        attr.flags          = cudaMemcpyFlagPreferOverlapWithCompute;
+        size_t attr_index   = 0;
+#if CUDART_VERSION >= 13000
+        const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), (size_t) n, &attr, &attr_index, 1, stream);
+#else
+        size_t failed_at = 0;
+        const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), (size_t) n, &attr, &attr_index, 1,
+                                                     &failed_at, stream);
+#endif
+        if (err == cudaSuccess) {
+            return 1;
+        }
+        if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver) {
+            check(err, "cudaMemcpyBatchAsync");
+        }
+        // a driver older than the toolkit: nothing of the batch was queued; from now on one upload per region
+        (void) cudaGetLastError();
+        g_batch_uploads[device].store(-1);
+        GGML_LOG_INFO("copy regions: cudaMemcpyBatchAsync is not supported here (%s): one upload per region\n", cudaGetErrorString(err));
     }
-    // a driver older than the toolkit: the copies one by one (nothing of the batch was queued)
-    (void) cudaGetLastError();
 #endif
     for (int i = 0; i < n; i++) {
         check(cudaMemcpyAsync(regions[i].dst, regions[i].src, regions[i].size, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
@@ -87,22 +157,45 @@ int ggml_cuda_copy_regions_async(cudaStream_t stream, const ggml_backend_copy_re
     if (host_src) {
         return upload_regions(stream, regions, n_regions);
     }
+    static std::atomic<int> n_sm_cached{0};
+    int n_sm = n_sm_cached.load();
+    if (n_sm == 0) {
+        check(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, current_device()), "cudaDeviceGetAttribute");
+        n_sm_cached.store(n_sm);
+    }
     int calls = 0;
-    for (int first = 0; first < n_regions; first += COPY_REGIONS_PER_LAUNCH) {
-        const int n = std::min(n_regions - first, COPY_REGIONS_PER_LAUNCH);
-        copy_region_table table = {};
-        size_t largest = 0;
-        for (int i = 0; i < n; i++) {
-            table.src[i]  = (const char *) regions[first + i].src;
-            table.dst[i]  = (char *) regions[first + i].dst;
-            table.size[i] = regions[first + i].size;
-            largest = std::max(largest, regions[first + i].size);
-        }
-        const size_t per_block = (size_t) COPY_REGIONS_THREADS * 16;
-        const unsigned blocks = (unsigned) std::min<size_t>((largest + per_block - 1) / per_block, COPY_REGIONS_MAX_BLOCKS);
-        k_copy_regions<<<dim3(std::max(blocks, 1u), (unsigned) n), COPY_REGIONS_THREADS, 0, stream>>>(table);
+    copy_region_table table = {};
+    int    n_table = 0;
+    size_t largest = 0;
+    auto launch = [&]() {
+        // enough blocks to keep every SM busy over the table's regions, no more than the largest region fills
+        const size_t per_block  = (size_t) COPY_REGIONS_THREADS * 16 * COPY_REGIONS_UNROLL;
+        const size_t for_size   = (largest + per_block - 1) / per_block;
+        const size_t for_device = std::max(1, 4 * n_sm / n_table);
+        const unsigned blocks   = (unsigned) std::max<size_t>(1, std::min(for_size, for_device));
+        k_copy_regions<<<dim3(blocks, (unsigned) n_table), COPY_REGIONS_THREADS, 0, stream>>>(table);
         check(cudaGetLastError(), "k_copy_regions");
         calls++;
+        n_table = 0;
+        largest = 0;
+    };
+    for (int i = 0; i < n_regions; i++) {
+        const ggml_backend_copy_region & r = regions[i];
+        if (r.size >= COPY_REGIONS_MEMCPY_MIN) {
+            check(cudaMemcpyAsync(r.dst, r.src, r.size, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
+            calls++;
+            continue;
+        }
+        table.src[n_table]  = (const char *) r.src;
+        table.dst[n_table]  = (char *) r.dst;
+        table.size[n_table] = r.size;
+        largest = std::max(largest, r.size);
+        if (++n_table == COPY_REGIONS_PER_LAUNCH) {
+            launch();
+        }
+    }
+    if (n_table > 0) {
+        launch();
     }
     return calls;
 }

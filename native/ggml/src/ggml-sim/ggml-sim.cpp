@@ -931,7 +931,10 @@ bool sim_backend_cpy_tensor_async(ggml_backend_t backend_src, ggml_backend_t bac
     return true;
 }
 
-// ggml_backend_copy_regions_async (ggml-copy-regions.h): every region in one task of the stream, as one CUDA call
+// ggml_backend_copy_regions_async (ggml-copy-regions.h): every region in one task of the stream, as one CUDA call.
+// The contract lets a backend copy a call's regions in any order (CUDA's batch and kernel do): a region that writes
+// bytes another region of the call reads or writes aborts, and the task copies them last to first, so a caller
+// that relies on their order computes wrong here too
 int sim_copy_regions_async(ggml_backend_t backend, const ggml_backend_copy_region * regions, int n_regions, bool host_src) {
     GGML_UNUSED(host_src); // SIM memory is host memory: both kinds copy alike
     if (n_regions <= 0) {
@@ -939,6 +942,15 @@ int sim_copy_regions_async(ggml_backend_t backend, const ggml_backend_copy_regio
     }
     sim_stream * st = stream_of(backend);
     std::vector<ggml_backend_copy_region> rs(regions, regions + n_regions);
+    for (size_t i = 0; i < rs.size(); i++) {
+        for (size_t j = 0; j < rs.size(); j++) {
+            const sim_range w = range_of(rs[i].dst, rs[i].size);
+            if (i != j && (overlaps(w, range_of(rs[j].src, rs[j].size)) || (j > i && overlaps(w, range_of(rs[j].dst, rs[j].size))))) {
+                GGML_ABORT("ggml_sim: copy regions %zu and %zu of one call overlap (their order is undefined)", i, j);
+            }
+        }
+    }
+    std::reverse(rs.begin(), rs.end());
     sim_task task;
     task.op.kind = "copy"; task.op.tensor = "regions";
     for (const ggml_backend_copy_region & r : rs) {
