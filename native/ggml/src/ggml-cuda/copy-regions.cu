@@ -135,13 +135,24 @@ static int upload_regions(cudaStream_t stream, const ggml_backend_copy_region * 
         if (err == cudaSuccess) {
             return 1;
         }
-        if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver) {
+        if (err == cudaErrorNotSupported || err == cudaErrorCallRequiresNewerDriver) {
+            // a driver older than the toolkit: nothing of the batch was queued; from now on one upload per region
+            (void) cudaGetLastError();
+            g_batch_uploads[device].store(-1);
+            GGML_LOG_INFO("copy regions: cudaMemcpyBatchAsync is not supported here (%s): one upload per region\n",
+                          cudaGetErrorString(err));
+        } else if (err == cudaErrorInvalidValue) {
+            // a batch the driver refuses (e.g. sources it cannot read out of order, such as some pageable memory):
+            // nothing was queued; these uploads one by one, later batches tried again
+            (void) cudaGetLastError();
+            static std::atomic<bool> said{false};
+            if (!said.exchange(true)) {
+                GGML_LOG_WARN("copy regions: cudaMemcpyBatchAsync refused a batch of %d uploads (%s): uploading them one by one\n",
+                              n, cudaGetErrorString(err));
+            }
+        } else {
             check(err, "cudaMemcpyBatchAsync");
         }
-        // a driver older than the toolkit: nothing of the batch was queued; from now on one upload per region
-        (void) cudaGetLastError();
-        g_batch_uploads[device].store(-1);
-        GGML_LOG_INFO("copy regions: cudaMemcpyBatchAsync is not supported here (%s): one upload per region\n", cudaGetErrorString(err));
     }
 #endif
     for (int i = 0; i < n; i++) {
