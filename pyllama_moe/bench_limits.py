@@ -104,14 +104,16 @@ def host_upload_bytes(model: Path, n_cpu_moe: int, n_gpu_layers: int) -> int:
     return total
 
 
-def uploading_ubatches(n_prompt: int, n_batch: int, n_ubatch: int) -> int:
-    """Ubatches of a prompt run that upload host weights: llama-bench decodes n_batch tokens at a time, each
-    batch split into ubatches of n_ubatch, and only those of at least OFFLOAD_MIN_BATCH tokens are offloaded."""
+def uploading_ubatches(n_prompt: int, n_batch: int, n_ubatch: int, min_tokens: int = OFFLOAD_MIN_BATCH) -> int:
+    """Ubatches of a prompt run of at least min_tokens tokens: llama-bench (and llama.cpp) decode n_batch tokens at a
+    time, each batch split into ubatches of n_ubatch. With the default, the ubatches that upload host weights at all
+    (only those of at least OFFLOAD_MIN_BATCH tokens are offloaded); with the prefetch's min batch, those that
+    upload them ahead."""
     count = 0
     for start in range(0, n_prompt, n_batch):
         batch = min(n_batch, n_prompt - start)
         full, rest = divmod(batch, n_ubatch)
-        count += (full if n_ubatch >= OFFLOAD_MIN_BATCH else 0) + (1 if rest >= OFFLOAD_MIN_BATCH else 0)
+        count += (full if n_ubatch >= min_tokens else 0) + (1 if rest >= min_tokens else 0)
     return count
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_moe import models, runner, source
+from pyllama_moe.bench_limits import uploading_ubatches
 from pyllama_moe.build import Build, resolve
 from pyllama_moe.errors import UserError
 from pyllama_moe.matrix import SIM_DEVICES, Cell, Matrix
@@ -128,7 +129,7 @@ class Harness:
             # the sim backend would compute on the CPU and pass for the wrong reason
             oplog = Path(tempfile.mkdtemp(prefix="pyllama-moe-sim-")) / "oplog.jsonl"
             env.update(self.matrix.sim_env, GGML_SIM_DEVICES=str(SIM_DEVICES[cell.backend]))
-        common = dict(model=model, prompt=prompt, n_ubatch=cell.ubatch, n_batch=max(cell.ubatch, 2048),
+        common = dict(model=model, prompt=prompt, n_ubatch=cell.ubatch, n_batch=cell_n_batch(cell),
                       load_mode=cell.load, threads=self.threads, generate=cell.generate,
                       max_prompt_tokens=cell.prompt_tokens, eval_callback=cell.eval_callback)
         base = runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common,
@@ -215,7 +216,7 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
     ahead; a context whose ubatches are all smaller has no staging arena at all (nothing would be uploaded ahead
     into it), and one with larger ubatches but a shorter prompt has the arena and uploads nothing ahead."""
     prompt = (stats or {}).get("prompt", {})
-    min_batch = int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "128"))
+    min_batch = prefetch_min_batch(env)
     staging = cell.ubatch >= min_batch
     ahead = staging and cell.prompt_tokens >= min_batch
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
@@ -225,11 +226,20 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check
     return Check("prefetch", ok, {"expect_staging": staging, "expect_uploads_ahead": ahead, **prompt})
 
 
+def prefetch_min_batch(env: dict[str, str]) -> int:
+    """The smallest ubatch that uploads host weights ahead: GGML_SCHED_PREFETCH_MIN_BATCH, else the scheduler's
+    default (128)."""
+    return int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "128"))
+
+
+def cell_n_batch(cell: Cell) -> int:
+    """The batch a cell's runs decode at a time: 2048 tokens, or the ubatch where that is larger."""
+    return max(cell.ubatch, 2048)
+
+
 def ubatches_ahead(cell: Cell, env: dict[str, str]) -> int:
     """The prompt ubatches of a cell that upload host weights ahead: those of at least min_batch tokens."""
-    min_batch = int(env.get("GGML_SCHED_PREFETCH_MIN_BATCH", "128"))
-    full, rest = divmod(cell.prompt_tokens, cell.ubatch)
-    return (full if cell.ubatch >= min_batch else 0) + (1 if rest >= min_batch else 0)
+    return uploading_ubatches(cell.prompt_tokens, cell_n_batch(cell), cell.ubatch, min_tokens=prefetch_min_batch(env))
 
 
 PINNED_IN_PLACE = re.compile(r"llama_moe: ([0-9.]+ [MG]iB) of expert weights registered with (\S+) "

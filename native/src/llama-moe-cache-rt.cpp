@@ -520,6 +520,11 @@ static void copy_on_device(ggml_backend_t queue, const ggml_tensor * src, size_t
     ggml_backend_tensor_copy_async(queue, queue, &from, &to);
 }
 
+// the planner's prompt counters of a cached layer (the copy calls are counted here, where they are made)
+static llama_moe_cache_stats & prompt_stats(llama_moe_cache_rt & rt, const rt_layer & l) {
+    return rt.plan->layers[rt.index[l.il]].stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+}
+
 // the layer's plan for this graph: every expert is staged (the upload runs ahead of the router), the residents read
 // from their slots, and uploads take free slots without replacing a resident (prompt_admit without the routing)
 static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
@@ -529,7 +534,7 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
     l.prompt_graph = rt.n_graphs;
     // the planner counts one call per run and tensor; copy_fill counts the calls it makes instead (batched, or one per
     // run and piece)
-    llama_moe_cache_stats & st = rt.plan->layers[rt.index[l.il]].stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+    llama_moe_cache_stats & st = prompt_stats(rt, l);
     const uint64_t n_calls = st.n_copy_calls;
     rt.plan->prompt_stage(l.il, nullptr, 0, l.n_used, l.n_used, true, rt.pplan);
     rt.plan->prompt_admit(l.il, nullptr, 0, l.n_used, l.n_used, rt.pplan);
@@ -599,7 +604,7 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
         // staged on another device than the layer's banks (the scheduler put the matmul elsewhere, e.g. the first GPU
         // of several with op offload): a device-to-device copy between them would wait for both, so from the host
         ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + offset, offset, size);
-        rt.plan->layers[rt.index[l.il]].stats[LLAMA_MOE_CACHE_PHASE_PROMPT].n_copy_calls++;
+        prompt_stats(rt, l).n_copy_calls++;
         return;
     }
     plan_prompt_layer(rt, l);
@@ -644,7 +649,7 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
     }
     const int calls = issue_moves(l, queue, weight, ups, true, rt.fill_regions) +
                       issue_moves(l, queue, weight, devs, false, rt.fill_regions);
-    rt.plan->layers[rt.index[l.il]].stats[LLAMA_MOE_CACHE_PHASE_PROMPT].n_copy_calls += calls;
+    prompt_stats(rt, l).n_copy_calls += calls;
     rt.banks_on_queue = rt.banks_on_queue || !devs.empty();
 }
 
@@ -695,25 +700,16 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         }
         banks = banks || r.banks;
     }
+    // a decode graph reads and fills the banks on the compute streams, a prompt's fills read and admit on the copy
+    // queues: the first graph of the other kind waits for all of the scheduler's work (once per switch)
+    if (banks ? rt->banks_on_queue : rt->banks_on_compute) {
+        ggml_backend_sched_synchronize(sched);
+        rt->banks_on_queue   = false;
+        rt->banks_on_compute = false;
+    }
     if (!banks) {
-        if (rt->banks_on_compute) {
-            // a prompt's fills read and write the banks on the copy queues: after the last decode graph's reads
-            std::vector<ggml_backend_t> done;
-            for (const rt_layer & l : rt->layers) {
-                if (std::find(done.begin(), done.end(), l.backend) == done.end()) {
-                    ggml_backend_synchronize(l.backend);
-                    done.push_back(l.backend);
-                }
-            }
-            rt->banks_on_compute = false;
-        }
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
-    }
-    if (rt->banks_on_queue) {
-        // a decode graph reads and fills the banks on the compute stream: after the copy queues' last admits
-        ggml_backend_sched_synchronize(sched);
-        rt->banks_on_queue = false;
     }
     rt->banks_on_compute = true;
     rt->routes    = &routes;
