@@ -36,12 +36,14 @@ done
 # the expert cache (issue 12): the prompt's ubatches of 128 tokens upload ahead (mode 2), the cache staging their
 # experts on the copy queue from the banks and the host (the scheduler's fill callback, on the thread that queues the
 # splits); then decode reads the banks, the eval callback reads the router's ids back and uploads misses and the slot
-# map on the SIM stream while its compute thread runs; 64 generated tokens evicting every token
+# map on the SIM stream while its compute thread runs; 64 generated tokens evicting every token. At 16 MiB (a slot
+# per expert) the first ubatch makes every expert resident and the graphs after it read the banks in place
 head -c 2000 "$corpus" > "$out/prompt.txt"  # ~500 tokens: 3 ubatches staged through the cache and a short rest
+for mib in 2 16; do
 for devices in 1 2; do
-    name="sim${devices}-cmoe-cache"
+    name="sim${devices}-cmoe-cache${mib}"
     rm -f "$out/$name.ops.jsonl"
-    GGML_SCHED_PREFETCH=2 LLAMA_MOE_CACHE_MIB=2 GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices \
+    GGML_SCHED_PREFETCH=2 LLAMA_MOE_CACHE_MIB=$mib GGML_SIM_OPLOG="$out/$name.ops.jsonl" GGML_SIM_DEVICES=$devices \
         "$build/bin/llama-completion" -m "$model" -f "$out/prompt.txt" -c 2048 -n 64 -b 512 -ub 128 -t 2 -nr --fit off \
         -ngl 99 -cmoe --temp 0 -no-cnv -v > "$out/$name.log" 2>&1 < /dev/null
     rc=$?
@@ -49,8 +51,10 @@ for devices in 1 2; do
     ours=$(grep -A12 "WARNING: ThreadSanitizer" "$out/$name.log" | grep -c "ggml-sim\|ggml-backend.cpp\|llama-moe")
     steps=$(grep -o "expert cache, decode: [0-9]* layer steps" "$out/$name.log")
     prompt=$(grep -o "expert cache, prompts: [0-9]* layer steps, [0-9]* experts read from the banks" "$out/$name.log")
-    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim, ggml-backend.cpp or llama-moe), ${steps:-no cache summary}; ${prompt:-no prompt summary}"
+    in_place=$(grep -o "[0-9]* read in place" "$out/$name.log" | tr '\n' ' ')
+    echo "$name: exit $rc, $n reports ($ours with a frame in ggml-sim, ggml-backend.cpp or llama-moe), ${steps:-no cache summary}; ${prompt:-no prompt summary}; in place: ${in_place:-none}"
     total=$((total + n))
+done
 done
 echo "total reports: $total"
 grep -h -A8 "WARNING: ThreadSanitizer" "$out"/sim*.log | grep -E "^WARNING|#[0-3] " | sort | uniq -c | sort -rn | head -40

@@ -281,29 +281,44 @@ def pin_check(log: str, budget_mib: float | None = None) -> Check:
     return Check("pinned", m is not None, detail)
 
 
-CACHE_MADE = re.compile(r"llama_moe: expert cache on (\S+): ([0-9.]+) MiB, (\d+) MoE layers")
-CACHE_DECODE = re.compile(r"llama_moe: expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses")
+CACHE_MADE = re.compile(r"llama_moe: expert cache on (\S+): ([0-9.]+) MiB, (\d+) MoE layers with their experts on the "
+                        r"host, (\d+)-(\d+) of (\d+) expert slots")
+CACHE_DECODE = re.compile(r"llama_moe: expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses.*, (\d+) read in place")
 CACHE_PROMPT = re.compile(r"llama_moe: expert cache, prompts: (\d+) layer steps, (\d+) experts read from the banks, "
-                          r"(\d+) uploaded \([0-9.]+ MiB\), (\d+) made resident")
+                          r"(\d+) uploaded \([0-9.]+ MiB\), (\d+) made resident.*, (\d+) read in place")
 
 
 def cache_check(log: str, ubatches_ahead: int = 0) -> Check:
-    """The expert cache really took its path: banks were made and, by the context's summary at its end, decode
-    steps planned with misses (the cells' budget evicts every token), so the text was computed from the banks; and
-    where prompt ubatches uploaded ahead, the cache staged their experts and made some resident, reading residents
-    from the banks from the second such ubatch on."""
+    """The expert cache really took its path, by the context's summary at its end (banks made on which devices,
+    with how many slots per layer).
+
+    A cache with fewer slots than experts (the cells' budget evicts every token): decode steps planned with misses,
+    so the text was computed from the banks; and where prompt ubatches uploaded ahead, the cache staged their
+    experts and made some resident, reading residents from the banks from the second such ubatch on.
+
+    A cache with a slot per expert (whole): layers read in place once every expert is resident, and where a prompt
+    ubatch uploaded ahead it made experts resident. (Decode may still miss: on two devices op offload may stage a
+    layer on the other device than its banks, whose prompt fills then go from the host and admit nothing.) Only a
+    device with a slot per expert in some layer may read layers in place."""
     made = [m.groups() for m in CACHE_MADE.finditer(log)]
     decode = [tuple(map(int, m.groups())) for m in CACHE_DECODE.finditer(log)]
     prompt = [tuple(map(int, m.groups())) for m in CACHE_PROMPT.finditer(log)]
     steps = sum(d[0] for d in decode)
     misses = sum(d[2] for d in decode)
+    in_place = sum(d[3] for d in decode) + sum(p[4] for p in prompt)
     p_steps, p_reads, p_fills = (sum(p[i] for p in prompt) for i in (0, 1, 3))
-    detail = {"devices": [m[0] for m in made], "layer_steps": steps, "hits": sum(d[1] for d in decode), "misses": misses,
-              "prompt_ubatches_ahead": ubatches_ahead, "prompt_layer_steps": p_steps, "prompt_reads": p_reads,
-              "prompt_fills": p_fills}
-    prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and \
-        (p_reads > 0) == (ubatches_ahead > 1)
-    return Check("cache", bool(made) and steps > 0 and misses > 0 and prompt_ok, detail)
+    whole = bool(made) and all(int(m[3]) == int(m[5]) for m in made)
+    some_whole = any(int(m[4]) == int(m[5]) for m in made)
+    detail = {"devices": [m[0] for m in made], "whole": whole, "layer_steps": steps, "hits": sum(d[1] for d in decode),
+              "misses": misses, "in_place": in_place, "prompt_ubatches_ahead": ubatches_ahead,
+              "prompt_layer_steps": p_steps, "prompt_reads": p_reads, "prompt_fills": p_fills}
+    if whole:
+        ok = in_place > 0 and (ubatches_ahead == 0 or p_fills > 0)
+    else:
+        prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and \
+            (p_reads > 0) == (ubatches_ahead > 1)
+        ok = steps > 0 and misses > 0 and (in_place == 0 or some_whole) and prompt_ok
+    return Check("cache", bool(made) and ok, detail)
 
 
 def read_sim_oplog(oplog: Path) -> tuple[set, int]:

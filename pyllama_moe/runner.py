@@ -40,6 +40,8 @@ class RunSpec:
     stats: bool = False     # report llama-moe.h stats of the prompt and of the generation (patched builds)
     prefetch: dict[str, int] | None = None  # per-context llama_moe_set_prefetch_params fields (patched builds)
     moe_cache_mib: int | None = None  # per-context llama_moe_set_moe_cache_mib (patched builds)
+    op_offload: bool = True  # llama_context_params.op_offload (--no-op-offload: False)
+    warm_tokens: list[int] | None = None  # decoded one at a time before the prompt, then the KV memory cleared
 
 
 @dataclass
@@ -84,7 +86,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "repack": spec.repack, "n_ubatch": spec.n_ubatch, "n_batch": spec.n_batch, "threads": spec.threads,
                "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None,
                "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch,
-               "moe_cache_mib": spec.moe_cache_mib}
+               "moe_cache_mib": spec.moe_cache_mib, "op_offload": spec.op_offload,
+               "warm_tokens": spec.warm_tokens}
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits else None

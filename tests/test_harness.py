@@ -39,13 +39,14 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         knobs = cell["cell"]["knobs"]
         expected |= {"prefetch"} if sim and knobs.startswith(("prefetch", "moe-cache")) else set()
         # with the expert cache on, banks were made, decode read them, and prompts that upload ahead staged through it
-        expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single") else set()
+        expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-whole") else set()
         assert set(checks) == expected and all(c["identical"] for c in checks.values())
         assert checks["logits"]["detail"]["positions"] == 600
         generate = cell["cell"]["generate"]
         assert checks["text"]["detail"]["tokens"] == generate and checks["decode-logits"]["detail"]["steps"] == generate - 1
     controls = {c["cell"]["name"]: c for c in cells if c["cell"]["expect"] == "mismatch"}
-    assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait", "control/sim-moe-cache-stale"}
+    assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait", "control/sim-moe-cache-stale",
+                             "control/sim-moe-cache-whole-stale"}
     for name, control in controls.items():
         assert control["status"] == "pass"
         checks = {c["name"]: c for c in control["checks"]}
@@ -54,6 +55,9 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
             assert checks["logits"]["identical"] and not checks["decode-logits"]["identical"]
             assert checks["cache"]["identical"]
             continue
+        if name == "control/sim-moe-cache-whole-stale":
+            # the 3rd fill, left stale, is a prompt admit of a whole layer, read in place by the later ubatches
+            assert checks["cache"]["identical"] and checks["cache"]["detail"]["whole"]
         assert not checks["logits"]["identical"]
         assert checks["logits"]["detail"]["first_diff_pos"] is not None
     repack = next(c for c in controls["control/repack-on-vs-off"]["checks"] if c["name"] == "logits")["detail"]
@@ -120,23 +124,55 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
     made = ("0.01 I llama_moe: expert cache on SIM0: 1.99 MiB, 4 MoE layers with their experts on the host, 5-5 of 16 "
             "expert slots each; graphs of up to 32 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)")
     summary = ("0.02 I llama_moe: expert cache, decode: 1198 layer steps, 1498 hits, 3294 misses (hit rate 31.3%), "
-               "0 on the staging path, 328.11 MiB uploaded in 9636 copies")
+               "0 on the staging path, 328.11 MiB uploaded in 9636 copies, 0 read in place")
     check = cache_check(made + "\n" + summary)
-    assert check.identical and check.detail == {"devices": ["SIM0"], "layer_steps": 1198, "hits": 1498, "misses": 3294,
-                                                "prompt_ubatches_ahead": 0, "prompt_layer_steps": 0, "prompt_reads": 0,
-                                                "prompt_fills": 0}
+    assert check.identical and check.detail == {"devices": ["SIM0"], "whole": False, "layer_steps": 1198, "hits": 1498,
+                                                "misses": 3294, "in_place": 0, "prompt_ubatches_ahead": 0,
+                                                "prompt_layer_steps": 0, "prompt_reads": 0, "prompt_fills": 0}
     assert not cache_check(summary).identical  # no banks: the text came from somewhere else
     assert not cache_check(made).identical     # banks, but no summary of decode steps
     assert not cache_check(made + "\n" + summary.replace("3294 misses", "0 misses")).identical
     # prompt ubatches that upload ahead: the cache must have staged them and made experts resident, and have read
     # residents from the banks once there was a second such ubatch
     prompts = ("0.02 I llama_moe: expert cache, prompts: 8 layer steps, 20 experts read from the banks, 108 uploaded "
-               "(10.5 MiB), 20 made resident, 3.9 MiB copied on the device, 40 copies")
+               "(10.5 MiB), 20 made resident, 3.9 MiB copied on the device, 40 copies, 0 read in place")
     assert cache_check("\n".join([made, summary, prompts]), ubatches_ahead=2).identical
     assert not cache_check("\n".join([made, summary]), ubatches_ahead=1).identical  # the host weights were uploaded
     assert not cache_check("\n".join([made, summary, prompts.replace("20 made", "0 made")]), ubatches_ahead=1).identical
     assert not cache_check("\n".join([made, summary, prompts.replace(" 20 experts", " 0 experts")]), ubatches_ahead=2).identical
     assert not cache_check("\n".join([made, summary, prompts]), ubatches_ahead=0).identical  # a prompt nobody expected
+    # a layer with fewer slots than experts is never read in place: a summary that says so is wrong
+    assert not cache_check(made + "\n" + summary.replace("0 read in place", "4 read in place")).identical
     # the cache's lines are not the pin's: the pin check still sees its one line
     pinned = "0.00 I llama_moe: 6.38 MiB of expert weights registered with SIM0 (page-locked in place: 1 range(s), 7.03 MiB)"
     assert pin_check("\n".join([pinned, made, summary])).identical
+
+
+def test_the_cache_check_of_a_whole_cache_wants_layers_read_in_place():
+    from pyllama_moe.compare import cache_check
+
+    made = ("0.01 I llama_moe: expert cache on SIM0: 6.39 MiB, 4 MoE layers with their experts on the host, 16-16 of 16 "
+            "expert slots each; graphs of up to 8 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)")
+    decode = ("0.02 I llama_moe: expert cache, decode: 36 layer steps, 0 hits, 0 misses (hit rate 0.0%), 0 on the "
+              "staging path, 0.00 MiB uploaded in 0 copies, 36 read in place")
+    prompts = ("0.02 I llama_moe: expert cache, prompts: 16 layer steps, 0 experts read from the banks, 64 uploaded "
+               "(6.38 MiB), 64 made resident, 6.38 MiB copied on the device, 24 copies, 12 read in place")
+    check = cache_check("\n".join([made, decode, prompts]), ubatches_ahead=4)
+    assert check.identical and check.detail["whole"] and check.detail["in_place"] == 48
+    # nothing read in place: the banks were never the image of the experts
+    assert not cache_check("\n".join([made, decode.replace("36 read", "0 read"), prompts.replace("12 read", "0 read")]),
+                           ubatches_ahead=4).identical
+    # prompt ubatches uploaded ahead but made nothing resident
+    assert not cache_check("\n".join([made, decode, prompts.replace("64 made", "0 made")]), ubatches_ahead=4).identical
+    missed = decode.replace("0 hits, 0 misses", "30 hits, 6 misses")
+    assert cache_check("\n".join([made, missed]), ubatches_ahead=0).identical  # decode filled it, then read it in place
+    # two devices, one with fewer slots than experts: not a whole cache, so it must also show the evicting decode
+    # plan; a layer of the other may be read in place
+    other = made.replace("SIM0", "SIM1").replace("16-16 of 16", "5-5 of 16")
+    both = cache_check("\n".join([made, other, missed, prompts.replace("0 experts read", "8 experts read")]), ubatches_ahead=2)
+    assert both.identical and not both.detail["whole"]
+    # ... where no device has a slot per expert, nothing may be read in place
+    small = other.replace("SIM1", "SIM0")
+    assert not cache_check("\n".join([small, other, missed, prompts.replace("0 experts read", "8 experts read")]),
+                           ubatches_ahead=2).identical
+

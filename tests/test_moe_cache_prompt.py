@@ -1,8 +1,11 @@
 """The expert cache's prompt path (issue 12, item 2), on SIM: a prompt ubatch that uploads host weights ahead lets
 the cache write the staged copies of its layers' experts, copying the residents from the banks and uploading only
 the others, and filling free slots with what it uploaded. The computation reads the staged copies, so the logits are
-those of the cache off; what moved over which path is in the prompt counters."""
+those of the cache off; what moved over which path is in the prompt counters. A cache with a slot per expert holds
+each expert in its own slot, and once they are all resident the graphs read the banks in place."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -45,20 +48,62 @@ def test_a_prompt_whose_experts_fit_uploads_each_expert_once(patched_build, src,
     assert f"4 MoE layers with their experts on the host, {N_EXPERT}-{N_EXPERT} of {N_EXPERT} expert slots" in got.log
     _same(got, reference)
     p = got.stats["prompt"]["cache_prompt"]
-    per_layer_ubatches = N_LAYERS * N_UBATCHES
-    assert p["n_ubatches"] == per_layer_ubatches
-    # the first ubatch uploads every expert and makes it resident; the three after it read them all from the banks
+    assert p["n_ubatches"] == N_LAYERS * N_UBATCHES
+    # the first ubatch uploads every expert and makes it resident, each in its own slot; with a slot per expert the
+    # banks are then the experts' image, and the three ubatches after it read them in place: no plan, no copy
     assert p["n_misses"] == N_LAYERS * N_EXPERT and p["n_fills"] == N_LAYERS * N_EXPERT and p["n_evictions"] == 0
-    assert p["n_hits"] == (N_UBATCHES - 1) * N_LAYERS * N_EXPERT
-    # bytes: the uploads once, and on the device the reads (3 per expert) and the admits (1 per expert)
-    assert p["bytes_uploaded"] > 0 and p["bytes_copied"] == N_UBATCHES * p["bytes_uploaded"]
+    assert p["n_hits"] == 0 and p["n_in_place"] == (N_UBATCHES - 1) * N_LAYERS
+    # bytes: the uploads once, and on the device the admits alone
+    assert p["bytes_uploaded"] > 0 and p["bytes_copied"] == p["bytes_uploaded"]
     # the scheduler uploaded none of the expert tensors itself, where without the cache it sent them every ubatch
     assert got.stats["prompt"]["prefetch_upload_bytes"] == 0
     assert reference.stats["prompt"]["prefetch_upload_bytes"] == N_UBATCHES * p["bytes_uploaded"]
-    # and the decode after it finds every expert resident
+    # and the decode after it reads every layer in place: nothing planned, nothing read back
     d = got.stats["generate"]["cache_decode"]
-    assert d["n_hits"] > 0 and d["n_misses"] == 0
-    assert "expert cache, prompts: 16 layer steps, 192 experts read from the banks, 64 uploaded" in got.log
+    assert d["n_in_place"] > 0 and d["n_in_place"] == d["n_ubatches"] and d["n_hits"] == d["n_misses"] == 0
+    assert "expert cache, prompts: 16 layer steps, 0 experts read from the banks, 64 uploaded" in got.log
+    assert ", 12 read in place" in got.log
+
+
+def test_a_whole_cache_filled_by_decode_is_read_in_place_from_then_on(patched_build, src, model):
+    # no prompt uploads ahead (ub 512 under GGML_SCHED_PREFETCH=0): the decode plan fills the slots as tokens route to
+    # experts, each into its own slot, and each layer is read in place once all of its experts have come
+    spec = runner.RunSpec(model=model, tokens=PROMPT[:64], cpu_moe=True, load_mode="none", repack=False, threads=2,
+                          n_ubatch=512, n_batch=512, generate=64, stats=True, want_logits=False,
+                          env={**SIM_ENV, "GGML_SCHED_PREFETCH": "0", "LLAMA_MOE_CACHE_MIB": "8"})
+    got = runner.run(patched_build, src, spec)
+    ref = runner.run(patched_build, src, dataclasses.replace(spec, env={**spec.env, "LLAMA_MOE_CACHE_MIB": "0"}))
+    assert got.generated == ref.generated and got.decode_logits_sha256 == ref.decode_logits_sha256
+    d = got.stats["generate"]["cache_decode"]
+    assert d["n_misses"] > 0 and d["n_evictions"] == 0 and d["n_in_place"] > 0, d
+    assert d["n_fills"] <= N_LAYERS * N_EXPERT
+
+
+def test_a_layer_whose_rows_nobody_reads_is_not_made_whole_by_the_prompt(patched_build, src, model):
+    # only the last token an output: llama.cpp drops the last layer's rows of the first three ubatches, so only
+    # layers 0-2 are staged (and made whole) by the first ubatch and read in place by the next three; the last
+    # layer computes its one row of the last ubatch through the decode plan, and decode then fills it
+    got = _run(patched_build, src, model, 8, want_logits=False)
+    assert got.stats["prompt"]["cache_prompt"]["n_in_place"] == (N_UBATCHES - 1) * (N_LAYERS - 1)
+    assert got.stats["prompt"]["cache_decode"]["n_ubatches"] == 1
+    assert got.stats["generate"]["cache_decode"]["n_in_place"] > 0
+
+
+def test_no_op_offload_keeps_a_prompt_on_the_cpu(patched_build, src, model):
+    # From the cold read: with op offload off, prompt ubatches compute host experts on the CPU (and the reservation
+    # planned so); a layer made whole earlier (here by 96 tokens decoded one at a time, then forgotten) must not move
+    # them to the device. Decode-size graphs read it in place
+    spec = runner.RunSpec(model=model, tokens=PROMPT, cpu_moe=True, load_mode="none", repack=False, threads=2,
+                          n_ubatch=UBATCH, n_batch=512, generate=8, stats=True, op_offload=False,
+                          warm_tokens=PROMPT[:96], env={**SIM_ENV, "LLAMA_MOE_CACHE_MIB": "8"})
+    got = runner.run(patched_build, src, spec)
+    ref = runner.run(patched_build, src, dataclasses.replace(spec, env={**spec.env, "LLAMA_MOE_CACHE_MIB": "0"}))
+    _same(got, ref)
+    assert got.stats["prompt"]["cache_prompt"]["n_in_place"] == 0
+    assert got.stats["generate"]["cache_decode"]["n_in_place"] > 0
+    # and with op offload on, the same warm cache is read in place by every prompt ubatch
+    on = runner.run(patched_build, src, dataclasses.replace(spec, op_offload=True))
+    assert on.stats["prompt"]["cache_prompt"]["n_in_place"] == N_UBATCHES * N_LAYERS
 
 
 def test_batched_and_single_copies_compute_the_same(patched_build, src, model, reference):
@@ -104,9 +149,9 @@ def test_a_prompt_graph_whose_last_layer_reads_the_banks(patched_build, src, mod
 
 def test_a_stale_admit_changes_the_prompt(patched_build, src, model, reference):
     # the 3rd fill (layer 0's expert 2, admitted in the first ubatch) is never copied into its slot: the second
-    # ubatch stages the slot's zeros for that expert, and the prompt's logits must change
+    # ubatch reads the slot's zeros for that expert, and the prompt's logits must change
     got = _run(patched_build, src, model, 8, {"LLAMA_MOE_CACHE_DEBUG_SKIP_FILL": "3"})
-    assert got.stats["prompt"]["cache_prompt"]["n_hits"] > 0
+    assert got.stats["prompt"]["cache_prompt"]["n_in_place"] > 0  # the later ubatches read the banks in place
     assert got.logits_sha256 != reference.logits_sha256
 
 

@@ -4,15 +4,19 @@
 #   identity   compare --subset moe-cache --backend cuda: the cache's CUDA cells (the SIM ones and the stale-slot
 #              control run in CI), every check byte for byte against master with every weight on the GPU; then
 #              compute-sanitizer memcheck over a decode that evicts every token
-#   pp         the prompt path: pp4096 at ub 512 with the cache at a quarter of the expert bytes (3900 MiB) against
-#              master and against the same build with the cache off, -lm none and mmap; then a 32k-token prompt at
-#              ub 2048 with the cache holding every expert (17000 MiB) as a share of the all-on-GPU row of the same
-#              run (the patched build against itself, the cache off as the baseline: master would take minutes)
+#   pp         the prompt path, its three parts in turn:
+#   pp-master  pp4096 at ub 512 with the cache at a quarter of the expert bytes (3900 MiB) against master, -lm none
+#              and mmap
+#   pp-off     the same against the same build with the cache off
+#   pp-32k     a 32k-token prompt at ub 2048 with the cache holding every expert (17000 MiB: read in place once the
+#              first ubatch made them resident) as a share of the all-on-GPU row of the same run (the patched build
+#              against itself, the cache off as the baseline: master would take minutes)
 #   tg         tg128 with every expert on the host, the Qwen3-30B-A3B shape with routing skew 0.5, the cache at half
 #              the expert bytes (LLAMA_MOE_CACHE_MIB, default 7800 of 16.3 GB) against master, paced, with
 #              intervals; then one llama-completion run for the hit rate of the context's summary line
+#   tg-whole   tg128 with every expert cached (read in place once resident) as a share of all on the GPU
 set -uo pipefail
-step=${1:?usage: cache.sh identity|pp|tg}
+step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|tg|tg-whole}
 . "$(dirname "$0")/common.sh"
 CACHE_MIB=${CACHE_MIB:-7800}
 
@@ -37,23 +41,30 @@ identity)
     echo "compute-sanitizer memcheck (expert cache, 2 MiB): exit $?"
     grep -E "ERROR SUMMARY|llama_moe: expert cache" "$OUT/sanitizer-moe-cache.txt" | head -4
     ;;
-pp)
+pp-master|pp-off|pp-32k|pp)
     wait_builds 60 || exit 1
     M=$(skew_model) || exit 1
-    # master runs ub 512 at ~230 t/s: a round of both load modes is ~90 s of master (2 x 18 s a rep and the 17 GB
-    # load), so no warm-up round and no llama-bench warm-up run (the discarded rep is the cold one); the seventh
-    # session's 200 s ran out after the warm-up round
-    BENCH_MODEL=$M bench 420 --rounds 3 --max-seconds 360 --warmup-rounds 0 --reps 2 --discard 1 --pin-threads \
-        --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-master.json" \
-        -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap --no-warmup 2>&1 | tee "$OUT/cache-pp4096-ub512-master.txt"
-    BENCH_MODEL=$M bench 200 --baseline patched --candidate patched --rounds 3 --max-seconds 150 --reps 2 --discard 1 \
-        --pin-threads --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-off.json" \
-        -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp4096-ub512-off.txt"
-    # ~86 s a round: 5 rounds, so that the share's interval can separate from 0.85 (two gave [0.761, 0.977])
-    BENCH_MODEL=$M bench 520 --baseline patched --candidate patched --rounds 5 --max-seconds 460 --reps 2 --discard 1 \
-        --pin-threads --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
-        --json "$OUT/cache-pp32k-ub2048.json" -- -p 32768 -n 0 -b 2048 -ub 2048 -ngl 99 -ncmoe 48,0 -lm none \
-        2>&1 | tee "$OUT/cache-pp32k-ub2048.txt"
+    if [ "$step" = pp-master ] || [ "$step" = pp ]; then
+        # master runs ub 512 at ~230 t/s: a round of both load modes is ~90 s of master (2 x 18 s a rep and the 17 GB
+        # load), so no warm-up round and no llama-bench warm-up run (the discarded rep is the cold one); the seventh
+        # session's 200 s ran out after the warm-up round
+        BENCH_MODEL=$M bench 420 --rounds 3 --max-seconds 360 --warmup-rounds 0 --reps 2 --discard 1 --pin-threads \
+            --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-master.json" \
+            -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap --no-warmup 2>&1 | tee "$OUT/cache-pp4096-ub512-master.txt"
+    fi
+    if [ "$step" = pp-off ] || [ "$step" = pp ]; then
+        BENCH_MODEL=$M bench 200 --baseline patched --candidate patched --rounds 3 --max-seconds 150 --reps 2 --discard 1 \
+            --pin-threads --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-off.json" \
+            -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp4096-ub512-off.txt"
+    fi
+    if [ "$step" = pp-32k ] || [ "$step" = pp ]; then
+        # ~86 s a round before the in-place reads: 4 rounds, so that the share's interval can separate from 0.85 (two
+        # gave [0.761, 0.977])
+        BENCH_MODEL=$M bench 420 --baseline patched --candidate patched --rounds 4 --max-seconds 360 --reps 2 --discard 1 \
+            --pin-threads --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
+            --json "$OUT/cache-pp32k-ub2048.json" -- -p 32768 -n 0 -b 2048 -ub 2048 -ngl 99 -ncmoe 48,0 -lm none \
+            2>&1 | tee "$OUT/cache-pp32k-ub2048.txt"
+    fi
     ;;
 tg)
     wait_builds 60 || exit 1
@@ -66,8 +77,17 @@ tg)
         -n 128 --temp 0 --fit off -no-cnv -v > "$OUT/cache-hit-rate.txt" 2>&1
     grep -E "llama_moe: (expert cache|no expert)" "$OUT/cache-hit-rate.txt"
     ;;
+tg-whole)
+    # issue 13's preview: every expert cached, decode reads the banks in place once its misses made them all
+    # resident (the first rep of each process, discarded, warms it), as a share of all on the GPU in the same run
+    wait_builds 60 || exit 1
+    M=$(skew_model) || exit 1
+    BENCH_MODEL=$M bench 360 --baseline patched --candidate patched --paced --pin-threads --reps 4 --discard 1 --rounds 4 \
+        --max-seconds 300 --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
+        --json "$OUT/cache-tg128-whole.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm none 2>&1 | tee "$OUT/cache-tg128-whole.txt"
+    ;;
 *)
-    echo "unknown step $step: use identity|pp|tg"; exit 2
+    echo "unknown step $step: use identity|pp|pp-master|pp-off|pp-32k|tg|tg-whole"; exit 2
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"

@@ -127,8 +127,9 @@ LLAMA_MOE_API int64_t llama_moe_get_moe_cache_mib(const struct llama_context * c
 
 // Counters of a context's cache since it was created: per layer (il >= 0) or summed over layers (il < 0), and phase
 // (0 prompt, 1 decode). Experts are counted once per ubatch and layer; bytes over all of a layer's expert tensors.
+// Fields may be appended: callers compile against this header (cffi reads it).
 struct llama_moe_cache_counters {
-    uint64_t n_ubatches;     // layer steps planned
+    uint64_t n_ubatches;     // layer steps: planned, on the staging path, or read in place
     uint64_t n_hits;         // routed experts found resident
     uint64_t n_misses;       // routed experts uploaded from the host
     uint64_t n_overflow;     // steps with more distinct experts than slots (the staging path)
@@ -137,6 +138,7 @@ struct llama_moe_cache_counters {
     uint64_t bytes_uploaded; // host -> device
     uint64_t bytes_copied;   // device -> device
     uint64_t n_copy_calls;   // copies issued: one per run of consecutive experts into consecutive slots and tensor
+    uint64_t n_in_place;     // steps of a layer with every expert resident, read in place (no plan, no read back)
 };
 
 // Returns the number of layers the context caches (0: no cache; *out is zeroed). An il without a cache gives zeros.

@@ -52,6 +52,8 @@ struct rt_layer {
     // stop before the rest
     std::vector<llama_moe_cache_fill> pending;
     size_t filled[LLAMA_MOE_CACHE_N_TENSORS] = {};
+    // a graph read the layer in place since the scheduler last synchronized for it (see bind_graph)
+    bool in_place_bound = false;
 };
 
 // a copy of a run of bytes into or out of a staged copy: from the host weight (src null) or a bank, to a tensor
@@ -217,7 +219,13 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
                 const ggml_tensor * h = l.g.host[k];
                 l.g.bank[k] = expert_dim(k) == 2 ? ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_slots[i])
                                                  : ggml_new_tensor_2d(ctx, h->type, h->ne[0], n_slots[i]);
-                ggml_format_name(l.g.bank[k], "moe_cache_%s-%d", EXP_NAMES[k], l.il);
+                if (n_slots[i] == l.n_expert) {
+                    // a slot per expert: read in place once whole, as the host tensor (an eval callback such as
+                    // llama-imatrix's sees the name it knows, and slot e is expert e)
+                    ggml_set_name(l.g.bank[k], h->name);
+                } else {
+                    ggml_format_name(l.g.bank[k], "moe_cache_%s-%d", EXP_NAMES[k], l.il);
+                }
             }
         }
         if (n_slots[i] > 0) {
@@ -384,17 +392,22 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
 }
 
 static void log_summary(const llama_moe_cache_rt & rt) {
+    // the hit rate is that of the planned steps: a step read in place plans nothing (every expert resident)
     const llama_moe_cache_stats d = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_DECODE);
     const uint64_t routed = d.n_hits + d.n_misses;
-    LLAMA_LOG_INFO("llama_moe: expert cache, decode: %" PRIu64 " layer steps, %" PRIu64 " hits, %" PRIu64 " misses (hit rate %.1f%%), "
-            "%" PRIu64 " on the staging path, %.2f MiB uploaded in %" PRIu64 " copies\n",
-            d.n_ubatches, d.n_hits, d.n_misses, routed ? 100.0 * d.n_hits / routed : 0.0, d.n_overflow,
-            mib(d.bytes_uploaded), d.n_copy_calls);
+    char rate[32] = "hit rate n/a";
+    if (routed > 0) {
+        snprintf(rate, sizeof(rate), "hit rate %.1f%%", 100.0 * d.n_hits / routed);
+    }
+    LLAMA_LOG_INFO("llama_moe: expert cache, decode: %" PRIu64 " layer steps, %" PRIu64 " hits, %" PRIu64 " misses (%s), "
+            "%" PRIu64 " on the staging path, %.2f MiB uploaded in %" PRIu64 " copies, %" PRIu64 " read in place\n",
+            d.n_ubatches, d.n_hits, d.n_misses, rate, d.n_overflow, mib(d.bytes_uploaded), d.n_copy_calls, d.n_in_place);
     const llama_moe_cache_stats p = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT);
     if (p.n_ubatches > 0) {
         LLAMA_LOG_INFO("llama_moe: expert cache, prompts: %" PRIu64 " layer steps, %" PRIu64 " experts read from the banks, %" PRIu64 " uploaded "
-                "(%.2f MiB), %" PRIu64 " made resident, %.2f MiB copied on the device, %" PRIu64 " copies\n",
-                p.n_ubatches, p.n_hits, p.n_misses, mib(p.bytes_uploaded), p.n_fills, mib(p.bytes_copied), p.n_copy_calls);
+                "(%.2f MiB), %" PRIu64 " made resident, %.2f MiB copied on the device, %" PRIu64 " copies, %" PRIu64 " read in place\n",
+                p.n_ubatches, p.n_hits, p.n_misses, mib(p.bytes_uploaded), p.n_fills, mib(p.bytes_copied), p.n_copy_calls,
+                p.n_in_place);
     }
 }
 
@@ -406,20 +419,73 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
     delete rt;
 }
 
+// a layer whose prompt admits of the last graph are kept only where every bank of it got all its bytes; the graph's
+// copies were all issued once it returned, so this may run at the next graph's build or bind, whichever is first
+static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l) {
+    if (l.pending.empty()) {
+        return;
+    }
+    bool whole = true;
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        whole = whole && (l.g.bank[k] == nullptr || l.filled[k] == ggml_nbytes(l.g.host[k]));
+    }
+    if (!whole) {
+        rt.plan->unadmit(l.il, l.pending);
+    }
+    l.pending.clear();
+}
+
+// every expert resident in its own slot, nothing pending: the banks are the host tensors' images. A layer stays so
+// for the cache's life (it never evicts, see llama-moe-cache.h), which is what lets graphs that read it in place be
+// reused while llama_moe_cache_n_in_place is unchanged
+static bool layer_in_place(const llama_moe_cache_rt & rt, const rt_layer & l) {
+    return l.pending.empty() && rt.plan->whole(l.il);
+}
+
+void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
+    if (rt != nullptr) {
+        for (rt_layer & l : rt->layers) {
+            settle_prompt_admits(*rt, l);
+        }
+    }
+}
+
+int32_t llama_moe_cache_n_in_place(const llama_moe_cache_rt * rt) {
+    int32_t n = 0;
+    if (rt != nullptr) {
+        for (const rt_layer & l : rt->layers) {
+            n += layer_in_place(*rt, l);
+        }
+    }
+    return n;
+}
+
 const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
         int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
-        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool * staging) {
-    *staging = false;
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place) {
+    *staging  = false;
+    *in_place = false;
     // n_tokens 0: the last layer of a ubatch none of whose tokens is an output (llama.cpp drops the rows nobody reads)
-    if (rt == nullptr || il < 0 || il >= (int32_t) rt->index.size() || rt->index[il] < 0 || n_tokens < 1 ||
-            n_tokens > rt->decode_max) {
+    if (rt == nullptr || il < 0 || il >= (int32_t) rt->index.size() || rt->index[il] < 0 || n_tokens < 1) {
         return nullptr;
     }
     rt_layer & l = rt->layers[rt->index[il]];
-    // a call that routes to another number of experts (llama.cpp's warmup routes to all of them) or over another
-    // expert count, or with other tensors, takes the host path
-    if (n_expert_used != l.n_used || n_expert != l.n_expert || gate_exps != l.g.host[LLAMA_MOE_CACHE_GATE] || up_exps != l.g.host[LLAMA_MOE_CACHE_UP] ||
+    // a call over another expert count, or with other tensors, takes the host path
+    if (n_expert != l.n_expert || gate_exps != l.g.host[LLAMA_MOE_CACHE_GATE] || up_exps != l.g.host[LLAMA_MOE_CACHE_UP] ||
             down_exps != l.g.host[LLAMA_MOE_CACHE_DOWN] || gate_up_exps != l.g.host[LLAMA_MOE_CACHE_GATE_UP]) {
+        return nullptr;
+    }
+    settle_prompt_admits(*rt, l);
+    // the same tensor shapes and bytes as the host tensors: the same kernels as with the experts on the GPU. Only
+    // where the layer's matmuls run on the device anyway (a decode-size graph, or op offload on): with
+    // --no-op-offload a prompt keeps its expert matmuls on the CPU, as the user asked and the reservation planned
+    if (layer_in_place(*rt, l) && (n_tokens <= rt->decode_max || op_offload)) {
+        *in_place = true;
+        return &l.g;
+    }
+    // the host-side plan: graphs of at most decode_max tokens routed to the layer's number of experts (llama.cpp's
+    // warmup routes to all of them and takes the host path)
+    if (n_tokens > rt->decode_max || n_expert_used != l.n_used) {
         return nullptr;
     }
     // the plan must never overflow: every expert the tokens may route to fits the slots. A graph that could
@@ -432,10 +498,11 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
 }
 
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
-        int32_t il, bool banks) {
+        int32_t il, bool banks, bool in_place, int64_t graph_tokens) {
     GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
-    GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->ne[0] == rt->layers[rt->index[il]].n_used && ids->nb[0] == sizeof(int32_t));
-    routes.push_back({ at, ids, il, banks });
+    GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->nb[0] == sizeof(int32_t));
+    GGML_ASSERT((in_place || ids->ne[0] == rt->layers[rt->index[il]].n_used) && !(in_place && banks));
+    routes.push_back({ at, ids, il, banks, in_place, graph_tokens });
 }
 
 // reads a routing (computed, its device synchronized) and plans its layer: uploads the misses and the slot map
@@ -549,23 +616,6 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
     }
     l.pending = rt.pplan.admits;
     std::fill(std::begin(l.filled), std::end(l.filled), 0);
-}
-
-// before a graph: the previous graph's prompt admits of each layer stay only where every bank of it got all its bytes
-static void settle_prompt_admits(llama_moe_cache_rt & rt) {
-    for (rt_layer & l : rt.layers) {
-        if (l.pending.empty()) {
-            continue;
-        }
-        bool whole = true;
-        for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
-            whole = whole && (l.g.bank[k] == nullptr || l.filled[k] == ggml_nbytes(l.g.host[k]));
-        }
-        if (!whole) {
-            rt.plan->unadmit(l.il, l.pending);
-        }
-        l.pending.clear();
-    }
 }
 
 // the moves of one kind in one call where the device's registry offers ggml_backend_copy_regions_async, else one
@@ -691,14 +741,33 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }
-    settle_prompt_admits(*rt);
+    for (rt_layer & l : rt->layers) {
+        settle_prompt_admits(*rt, l);
+    }
     rt->n_graphs++;
     bool banks = false;
+    bool first_in_place = false;
     for (const llama_moe_cache_route & r : routes) {
-        if (!r.banks) {
-            rt->plan->note_staging(r.il); // one step of the layer on the host weights, counted without its routing
+        rt_layer & l = rt->layers[rt->index[r.il]];
+        if (r.in_place) {
+            // the phase of the graph (a prompt's last layer may compute a single output row)
+            rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT);
+            first_in_place = first_in_place || !l.in_place_bound;
+            l.in_place_bound = true;
+        } else {
+            l.in_place_bound = false; // not read in place now: the next read in place waits again
+            if (!r.banks) {
+                rt->plan->note_staging(r.il); // one step of the layer on the host weights, counted without its routing
+            }
         }
         banks = banks || r.banks;
+    }
+    // a layer's first read in place may follow the copy queue's admits that completed it: the computes of the graph
+    // that issued them waited for them, but that graph may have stopped early. Once per layer; reads alone follow
+    if (first_in_place && rt->banks_on_queue) {
+        ggml_backend_sched_synchronize(sched);
+        rt->banks_on_queue   = false;
+        rt->banks_on_compute = false;
     }
     // a decode graph reads and fills the banks on the compute streams, a prompt's fills read and admit on the copy
     // queues: the first graph of the other kind waits for all of the scheduler's work (once per switch)
@@ -739,7 +808,7 @@ int32_t llama_moe_cache_counters_of(const llama_moe_cache_rt * rt, int32_t il, i
     if (il < 0 || (il < (int32_t) rt->index.size() && rt->index[il] >= 0)) {
         const llama_moe_cache_stats s = rt->plan->get_stats(il, (llama_moe_cache_phase) phase);
         *out = { s.n_ubatches, s.n_hits, s.n_misses, s.n_overflow, s.n_fills, s.n_evictions, s.bytes_uploaded,
-                 s.bytes_copied, s.n_copy_calls };
+                 s.bytes_copied, s.n_copy_calls, s.n_in_place };
     }
     return (int32_t) rt->layers.size();
 }

@@ -17,6 +17,12 @@
 // CUDA and SIM devices get banks (other backends may reorder graph nodes), and not with GGML_CUDA_GRAPH_OPT.
 // Per-expert scales and LoRA keep the router's ids.
 //
+// In place: a layer with a slot per expert holds expert e in slot e (llama-moe-cache.h); once all its experts are
+// resident and its last admits settled, its banks are the host tensors' images, and every graph, of any size, reads
+// them instead of the host tensors with the router's own ids: no plan, no read back, no staging, the same kernels
+// as with the experts on the GPU. It stays so for the cache's life; llama_moe_cache_n_in_place tells the graph reuse
+// when a rebuilt graph would read more layers in place.
+//
 // Knob: llama_moe_default_set_moe_cache_mib (llama-moe.h, --moe-cache-mib) > LLAMA_MOE_CACHE_MIB > 0 (off). The
 // budget is per device; one larger than the device's free memory less 512 MiB is shrunk to it, with a warning.
 #pragma once
@@ -52,13 +58,16 @@ struct llama_moe_cache_graph_layer {
 };
 
 // a router output of one graph that the cache reads back once the node `at` (the end of the routing, the last node
-// of what CUDA fuses) is computed: the ids, their layer, and whether the layer reads the banks (else the graph
-// could not promise that its experts fit the slots and the layer takes the staging path, counted as such)
+// of what CUDA fuses) is computed: the ids, their layer, and whether the layer reads the banks through a plan (else
+// the graph could not promise that its experts fit the slots and the layer takes the staging path, counted as such)
+// or in place (nothing read back: counted when the graph is bound)
 struct llama_moe_cache_route {
     ggml_tensor * at;
     ggml_tensor * ids;
     int32_t       il;
     bool          banks;
+    bool          in_place;
+    int64_t       graph_tokens; // the ubatch's tokens (the layer may compute fewer rows): the phase it counts in
 };
 using llama_moe_cache_routes = std::vector<llama_moe_cache_route>;
 
@@ -75,15 +84,24 @@ int64_t llama_moe_cache_budget_mib(const llama_moe_cache_rt * rt);
 void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt);
 
 // build_moe_ffn: the banks layer il reads in a graph of n_tokens tokens, or nullptr (host weights): only for the
-// layer's own expert tensors routed to its number of experts (a call with other experts, or llama.cpp's warmup that
-// routes to all of them, reads the host weights). *staging: the layer is cached but the graph is too large for its
-// slots (the staging path), to be counted.
+// layer's own expert tensors. *in_place: read them as the expert tensors with the router's ids (any number of
+// experts per token; any size with op_offload, the context's, else decode sizes alone: a prompt's expert matmuls
+// stay where --no-op-offload put them). Else they are read through the slot map, for a graph of at most decode_max tokens
+// routed to the layer's number of experts (llama.cpp's warmup, which routes to all of them, reads the host weights);
+// *staging: the layer is cached but the graph is too large for its slots (the staging path), to be counted.
 const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
         int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
-        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool * staging);
-// a layer the cache reads (banks) or counts (staging) records its routing, so the eval callback plans it
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place);
+// a layer the cache reads (banks, in_place) or counts (staging) records its routing: the eval callback plans a banks
+// route, the bind counts the others
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
-        int32_t il, bool banks);
+        int32_t il, bool banks, bool in_place, int64_t graph_tokens);
+// llama_context::process_ubatch, before the graph reuse check: keeps or takes back the last graph's prompt admits
+// (which needs every copy of that graph issued: only between graphs). Graph builds and binds settle too.
+void llama_moe_cache_settle(llama_moe_cache_rt * rt);
+// the layers read in place now (0 without a cache): a graph built when it was lower would read fewer of them, so it
+// is not reused (the number only grows)
+int32_t llama_moe_cache_n_in_place(const llama_moe_cache_rt * rt);
 
 // the context's scheduler writes the staged copies of the cached layers' expert tensors through the cache when a graph
 // uploads ahead (prompts: residents copied from the banks, the rest uploaded, free slots filled); rt nullptr detaches

@@ -81,6 +81,7 @@ void llama_moe_cache_stats::add(const llama_moe_cache_stats & o) {
     bytes_uploaded += o.bytes_uploaded;
     bytes_copied   += o.bytes_copied;
     n_copy_calls   += o.n_copy_calls;
+    n_in_place     += o.n_in_place;
 }
 
 // copies of the per-copy path: runs of consecutive experts (and, with slots, consecutive slots), per tensor
@@ -165,8 +166,14 @@ static bool assign(llama_moe_cache & c, llama_moe_cache_layer & l, int32_t e, in
     return ++c.n_fills_planned != c.debug_skip_fill;
 }
 
-// lowest free slot; only called while n_free > 0
-static int32_t free_slot(const llama_moe_cache_layer & l) {
+// expert e's own slot (slot e) when there is one and it is free, else the lowest free slot; only called while
+// n_free > 0. In a layer with a slot per expert, every expert so placed keeps its own slot (nothing is evicted
+// while a slot is free, and the slot of an expert that is not resident is free), so once all are resident the bank
+// is the image of the host tensor and the graph may read it in place (whole)
+static int32_t free_slot(const llama_moe_cache_layer & l, int32_t e) {
+    if (e < l.n_slots && l.expert_of[e] < 0) {
+        return e;
+    }
     for (int32_t s = 0; s < l.n_slots; s++) {
         if (l.expert_of[s] < 0) {
             return s;
@@ -233,6 +240,24 @@ static void count_staging(const llama_moe_cache_layer & l, const std::vector<int
     st.n_copy_calls   += n_runs(sorted) * l.n_tensors;
 }
 
+bool llama_moe_cache::whole(int32_t il) const {
+    const llama_moe_cache_layer * l = layer(il);
+    if (l == nullptr || l->n_slots != l->n_expert || l->n_free != 0) {
+        return false;
+    }
+    for (int32_t e = 0; e < l->n_expert; e++) {
+        MOE_CACHE_ASSERT(l->slot_of[e] == e && "a layer with a slot per expert keeps each expert in its own slot");
+    }
+    return true;
+}
+
+void llama_moe_cache::note_in_place(int32_t il, llama_moe_cache_phase phase) {
+    MOE_CACHE_ASSERT(phase >= 0 && phase < LLAMA_MOE_CACHE_PHASE_COUNT);
+    llama_moe_cache_stats & st = layer_of(*this, il).stats[phase];
+    st.n_ubatches++;
+    st.n_in_place++;
+}
+
 void llama_moe_cache::note_staging(int32_t il) {
     llama_moe_cache_stats & st = layer_of(*this, il).stats[LLAMA_MOE_CACHE_PHASE_DECODE];
     st.n_ubatches++;
@@ -272,7 +297,7 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
         if (l.slot_of[e] >= 0) {
             continue;
         }
-        const int32_t s = l.n_free > 0 ? free_slot(l) : clock_victim(l);
+        const int32_t s = l.n_free > 0 ? free_slot(l, e) : clock_victim(l);
         if (assign(*this, l, e, s, st)) {
             out.fills.push_back({ e, s });
         }
@@ -361,7 +386,7 @@ void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_to
             if (l.n_free == 0) {
                 break;
             }
-            const int32_t s = free_slot(l);
+            const int32_t s = free_slot(l, e);
             if (assign(*this, l, e, s, st)) {
                 out.admits.push_back({ e, s });
                 out.evicted.push_back(-1);
@@ -399,7 +424,7 @@ void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_to
     for (int32_t e : cand) {
         int32_t s = -1;
         if (l.n_free > 0) {
-            s = free_slot(l);
+            s = free_slot(l, e);
         } else {
             for (int32_t i = 0; i < l.n_slots; i++) {
                 const int32_t v = l.expert_of[i];

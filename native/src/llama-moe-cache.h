@@ -14,8 +14,8 @@
 // Banks are per device: size each device's layers against that device's budget.
 //
 // Decode (plan_decode): CLOCK over the slots of a layer. A hit sets the slot's reference bit; a miss takes a free
-// slot, else the first slot under the hand whose bit is clear, clearing bits as it passes; slots that the same
-// ubatch uses are never taken. A ubatch with more distinct experts in a layer than the layer has slots changes
+// slot (its own, slot e for expert e, where that one is free), else the first slot under the hand whose bit is
+// clear, clearing bits as it passes; slots that the same ubatch uses are never taken. A ubatch with more distinct experts in a layer than the layer has slots changes
 // nothing and says so: the caller takes the staging path for that layer.
 //
 // Prompts (plan_prompt, or prompt_stage then prompt_admit): a large ubatch routes to nearly every expert, so LRU
@@ -23,6 +23,10 @@
 // instead: residents stay; misses go to staging for this ubatch and fill free slots, highest score first; a
 // resident is replaced only when this ubatch does not route it and a miss's score (routed tokens, halved every
 // prompt ubatch) is more than twice its own. A prompt whose experts fit in the slots uploads each expert once.
+//
+// Whole layers (whole): free slots are taken own slot first, so a layer with a slot per expert holds expert e in
+// slot e and never evicts; once all its experts are resident it needs no plan at all: the graph reads its banks in
+// place, as it would the host tensors, at any ubatch size (note_in_place counts those steps).
 //
 // Callers (the later graph and scheduler hooks): a decode plan's fills are uploads host -> bank slot, to be done
 // before the layer's matmuls read slot_ids; a prompt plan's reads (bank -> staging) come before its admits
@@ -75,6 +79,7 @@ struct llama_moe_cache_stats {
     uint64_t bytes_uploaded = 0; // host -> device
     uint64_t bytes_copied   = 0; // device -> device (bank -> staging reads, staging -> bank admits)
     uint64_t n_copy_calls   = 0; // copies of the per-copy path: one per contiguous run and tensor
+    uint64_t n_in_place     = 0; // steps of a whole layer, read in place: no plan, no routing read back
 
     void add(const llama_moe_cache_stats & o);
 };
@@ -155,6 +160,12 @@ struct llama_moe_cache {
     // takes back admits of an unrouted prompt_admit (into free slots) whose bytes did not all reach their slots (only
     // part of the layer's tensors was staged, or the computation stopped): the slots are free again
     void unadmit(int32_t il, const std::vector<llama_moe_cache_fill> & admits);
+
+    // every expert of layer il is resident, each in its own slot (a layer with a slot per expert places them so):
+    // its banks are the images of its host tensors, and a graph of any size may read them as the expert tensors
+    bool whole(int32_t il) const;
+    // a step of a whole layer read in place: counted as a step of the phase, nothing planned
+    void note_in_place(int32_t il, llama_moe_cache_phase phase);
 
     // a decode ubatch the caller sent to the staging path without planning it (its graph could not promise that the
     // experts fit the slots): counted as a step and an overflow; its routing is not read (that would cost a device

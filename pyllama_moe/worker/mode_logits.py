@@ -2,7 +2,8 @@
 
 Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
-"prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds). Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats".
+"prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
+"warm_tokens" (decoded one at a time before the prompt, then forgotten). Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats".
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         threads = int(req.get("threads") or min(4, os.cpu_count() or 1))
         cp.n_threads = cp.n_threads_batch = threads
         cp.no_perf = True
+        cp.op_offload = bool(req.get("op_offload", True))
         keep_cb = None
         if req.get("eval_callback"):
             keep_cb = cp.cb_eval = _eval_callback(L, int(req["eval_callback"]))
@@ -48,6 +50,12 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 moe.set_prefetch(req["prefetch"])
             if req.get("moe_cache_mib") is not None:
                 moe.lib.llama_moe_set_moe_cache_mib(moe.ctx, int(req["moe_cache_mib"]))
+            # tokens decoded one at a time and then forgotten (the KV memory cleared): state outside the KV memory,
+            # such as an expert cache, is warm when the prompt comes
+            for pos, tok in enumerate(req.get("warm_tokens") or []):
+                _decode(L, ctx, batch, [int(tok)], pos, False, n_batch, n_vocab)
+            if req.get("warm_tokens"):
+                L.llama_memory_clear(L.llama_get_memory(ctx), True)
             if moe and req.get("stats"):
                 moe.reset_stats()
             logits = _decode(L, ctx, batch, tokens, 0, bool(req.get("logits_out")), n_batch, n_vocab)

@@ -797,6 +797,70 @@ static int sim() {
     return 0;
 }
 
+static void whole_layer() {
+    // A layer with a slot per expert keeps each expert in its own slot, whichever path filled it: decode misses in
+    // the routing's order, routed prompt admits and unrouted ones. It is whole once every expert is resident, then
+    // never plans a fill again; a layer with fewer slots than experts is never whole, even with no slot free.
+    router r(16, 4, 0.5, 11);
+    llama_moe_cache c = one_layer(16, 16);
+    bank b(c);
+    llama_moe_cache_decode_plan d;
+    int steps = 0;
+    while (!c.whole(0)) {
+        CHECK(++steps < 1000, "not whole after %d decode steps", steps);
+        const std::vector<int32_t> ids = r.route(1);
+        CHECK(c.plan_decode(0, ids.data(), 1, 4, 4, d), "overflow");
+        b.decode(c, 0, ids, d);
+        for (const llama_moe_cache_fill & f : d.fills) {
+            CHECK(f.slot == f.expert, "decode put expert %d in slot %d", f.expert, f.slot);
+        }
+        check_cache(c);
+    }
+    const llama_moe_cache_stats before = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    CHECK(before.n_fills == 16 && before.n_evictions == 0, "%" PRIu64 " fills, %" PRIu64 " evictions", before.n_fills, before.n_evictions);
+    for (int t = 0; t < 50; t++) {
+        const std::vector<int32_t> ids = r.route(2);
+        CHECK(c.plan_decode(0, ids.data(), 2, 4, 4, d) && d.fills.empty(), "a whole layer planned %zu fills", d.fills.size());
+        b.decode(c, 0, ids, d);
+    }
+    CHECK(c.whole(0), "a whole layer stopped being whole");
+
+    // prompts: routed admits (plan_prompt) into a half-filled layer, then unrouted ones (the scheduler's fills)
+    llama_moe_cache p = one_layer(16, 16);
+    llama_moe_cache_prompt_plan pp;
+    const std::vector<int32_t> half = { 9, 3, 14, 1, 6, 11, 0, 12 }; // 2 tokens x 4: 8 experts, not in order
+    p.plan_prompt(0, half.data(), 2, 4, 4, false, pp);
+    CHECK(pp.admits.size() == 8 && !p.whole(0), "%zu admits", pp.admits.size());
+    p.prompt_stage(0, nullptr, 0, 4, 4, true, pp);
+    p.prompt_admit(0, nullptr, 0, 4, 4, pp);
+    CHECK(pp.reads.size() == 8 && pp.admits.size() == 8 && p.whole(0), "%zu reads, %zu admits", pp.reads.size(), pp.admits.size());
+    for (int32_t e = 0; e < 16; e++) {
+        CHECK(p.layer(0)->slot_of[e] == e, "expert %d in slot %d", e, p.layer(0)->slot_of[e]);
+    }
+    // taking back the last admits leaves their own slots free, and the next fill puts them back there
+    p.unadmit(0, pp.admits);
+    CHECK(!p.whole(0) && p.layer(0)->n_free == 8, "%d free", p.layer(0)->n_free);
+    p.prompt_stage(0, nullptr, 0, 4, 4, true, pp);
+    p.prompt_admit(0, nullptr, 0, 4, 4, pp);
+    CHECK(p.whole(0), "not whole after the admits came back");
+
+    // fewer slots than experts: full, never whole
+    llama_moe_cache q = one_layer(16, 12);
+    q.prompt_stage(0, nullptr, 0, 4, 4, true, pp);
+    q.prompt_admit(0, nullptr, 0, 4, 4, pp);
+    CHECK(q.layer(0)->n_free == 0 && !q.whole(0), "%d free, whole %d", q.layer(0)->n_free, (int) q.whole(0));
+
+    // steps read in place are counted in their phase, as steps
+    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    const llama_moe_cache_stats pr = c.get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    const llama_moe_cache_stats de = c.get_stats(-1, LLAMA_MOE_CACHE_PHASE_DECODE);
+    CHECK(pr.n_in_place == 1 && pr.n_ubatches == 1 && de.n_in_place == 2 && de.n_ubatches == before.n_ubatches + 50 + 2 &&
+            de.n_fills == 16, "prompt %" PRIu64 "/%" PRIu64 ", decode %" PRIu64 "/%" PRIu64, pr.n_in_place, pr.n_ubatches,
+            de.n_in_place, de.n_ubatches);
+}
+
 int main(int argc, char ** argv) {
     struct test_case {
         const char * name;
@@ -820,6 +884,7 @@ int main(int argc, char ** argv) {
         { "prompt-unrouted",         prompt_unrouted },
         { "stats-arithmetic",        stats_arithmetic },
         { "skip-fill",               skip_fill },
+        { "whole-layer",             whole_layer },
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s CASE|all|sim|list\n", argv[0]);
