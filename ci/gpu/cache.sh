@@ -7,7 +7,7 @@
 #   pp         the prompt path, its three parts in turn:
 #   pp-master  pp4096 at ub 512 with the cache at a quarter of the expert bytes (3900 MiB) against master, -lm none
 #              and mmap
-#   pp-off     the same against the same build with the cache off
+#   pp-off     pp512 and pp4096 at ub 512 and 2048 against the same build with the cache off
 #   pp-32k     a 32k-token prompt at ub 2048 with the cache holding every expert (17000 MiB: read in place once the
 #              first ubatch made them resident) as a share of the all-on-GPU row of the same run (the patched build
 #              against itself, the cache off as the baseline: master would take minutes)
@@ -53,9 +53,11 @@ pp-master|pp-off|pp-32k|pp)
             -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap --no-warmup 2>&1 | tee "$OUT/cache-pp4096-ub512-master.txt"
     fi
     if [ "$step" = pp-off ] || [ "$step" = pp ]; then
-        BENCH_MODEL=$M bench 200 --baseline patched --candidate patched --rounds 3 --max-seconds 150 --reps 2 --discard 1 \
-            --pin-threads --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-off.json" \
-            -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp4096-ub512-off.txt"
+        # "no prompt row slower with the cache on": pp512 and pp4096 at ub 512 and 2048, both load modes (8 rows, ~100 s
+        # a round of both sides)
+        BENCH_MODEL=$M bench 300 --baseline patched --candidate patched --rounds 3 --max-seconds 240 --reps 2 --discard 1 \
+            --pin-threads --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp-off.json" \
+            -- -p 512,4096 -n 0 -b 4096 -ub 512,2048 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp-off.txt"
     fi
     if [ "$step" = pp-32k ] || [ "$step" = pp ]; then
         # ~86 s a round before the in-place reads: 4 rounds, so that the share's interval can separate from 0.85 (two
