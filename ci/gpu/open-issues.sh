@@ -10,6 +10,8 @@
 #                                        from the second ubatch) as a share of the all-on-GPU row, 4 rounds
 #   cache.sh:pp-master                   issue 12: pp4096 ub 512 with a quarter of the expert bytes cached against
 #                                        master (the seventh session's bench ran out of time after its warm-up)
+#   bench-stats.sh:rows-mmap             issue 12: with the cache off every row keeps its ratio to master (the
+#                                        fifth session's rows-mmap: pp4096 ub 2048, experts on the host, both modes)
 #   cache.sh:pp-off                      issue 12: no prompt row slower with the cache on: pp512/pp4096 at ub 512
 #                                        and 2048, both load modes, against the cache off
 # Done in the seventh session (add them to STEPS to rerun): cache.sh:identity, cache.sh:pp (its pp-off part
@@ -31,7 +33,7 @@ follow)
     ;;
 all)
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
-    for s in ${STEPS:-cache.sh:identity cache.sh:pp-32k cache.sh:pp-master cache.sh:pp-off}; do
+    for s in ${STEPS:-cache.sh:identity cache.sh:pp-32k cache.sh:pp-master bench-stats.sh:rows-mmap cache.sh:pp-off}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"
     done
