@@ -3,7 +3,8 @@
 native/src/llama-moe-cache.{h,cpp} has no llama.cpp or ggml dependency, so its test program
 (tests/native/test_moe_cache.cpp) is compiled here with just a C++ compiler, no build: bank sizing, the decode
 planner's CLOCK (never the same ubatch's slots, overflow, remapped ids in range and right under a randomised
-skewed routing, checked against a simulated bank), the prompt planner's resident set (each expert uploaded once
+skewed routing, checked against a simulated bank; the same lookup on a flat state, as the device will keep it,
+handed over and back), the prompt planner's resident set (each expert uploaded once
 when they fit; a plain LRU that the case shows thrashing), stats arithmetic and the planted stale slot. The same
 program prints the table of results/cache-planner.md, which must match it.
 """
@@ -27,9 +28,10 @@ def _compile(out: Path, *flags: str) -> Path:
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    # -I native/src only: the header must not need llama.cpp's or ggml's
+    # native/src and the one ggml header of ours it shares with the device lookup: it must not need llama.cpp's or
+    # ggml's own headers
     subprocess.run([cxx, "-std=c++17", "-Wall", "-Wextra", *flags, "-I", str(PROJECT_ROOT / "native" / "src"),
-                    *map(str, SOURCES), "-o", str(out)], check=True)
+                    "-I", str(PROJECT_ROOT / "native" / "ggml" / "include"), *map(str, SOURCES), "-o", str(out)], check=True)
     return out
 
 

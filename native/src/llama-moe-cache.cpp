@@ -1,6 +1,8 @@
 // llama-moe-cache.cpp: the host-side bookkeeping of the MoE expert cache; see llama-moe-cache.h for the rules.
 #include "llama-moe-cache.h"
 
+#include "ggml-moe-cache-lookup.h"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -120,6 +122,11 @@ llama_moe_cache::llama_moe_cache(const std::vector<llama_moe_cache_layer_desc> &
         l.expert_of.assign(l.n_slots, -1);
         l.ref.assign(l.n_slots, 0);
         l.n_free = l.n_slots;
+        l.marks.assign(l.n_expert + l.n_slots, 0);
+        l.distinct.assign(l.n_slots, 0);
+        l.fill_expert.assign(l.n_slots, 0);
+        l.fill_slot.assign(l.n_slots, 0);
+        l.fill_evicted.assign(l.n_slots, 0);
         l.score.assign(l.n_expert, 0);
         l.seen.assign(l.n_expert, 0);
         l.pin.assign(l.n_slots, 0);
@@ -166,41 +173,20 @@ static bool assign(llama_moe_cache & c, llama_moe_cache_layer & l, int32_t e, in
     return ++c.n_fills_planned != c.debug_skip_fill;
 }
 
-// expert e's own slot (slot e) when there is one and it is free, else the lowest free slot; only called while
-// n_free > 0. In a layer with a slot per expert, every expert so placed keeps its own slot (nothing is evicted
-// while a slot is free, and the slot of an expert that is not resident is free), so once all are resident the bank
-// is the image of the host tensor and the graph may read it in place (whole)
-static int32_t free_slot(const llama_moe_cache_layer & l, int32_t e) {
-    if (e < l.n_slots && l.expert_of[e] < 0) {
-        return e;
-    }
-    for (int32_t s = 0; s < l.n_slots; s++) {
-        if (l.expert_of[s] < 0) {
-            return s;
-        }
-    }
-    MOE_CACHE_ASSERT(false);
-    return -1;
+// the layer's slot state as the lookup of ggml-moe-cache-lookup.h reads and writes it
+static ggml_moe_cache_state state_of(llama_moe_cache_layer & l) {
+    return { l.n_expert, l.n_slots, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free };
 }
 
-// CLOCK: the first slot under the hand that this ubatch does not use and whose reference bit is clear, clearing the
-// bits it passes. At least one slot is not pinned (the caller checked the distinct experts against the slots), so
-// two turns of the hand always find one.
-static int32_t clock_victim(llama_moe_cache_layer & l) {
-    for (int32_t step = 0; step < 2 * l.n_slots + 1; step++) {
-        const int32_t s = l.hand;
-        l.hand = (l.hand + 1) % l.n_slots;
-        if (l.pin[s] == l.epoch) {
-            continue;
-        }
-        if (l.ref[s]) {
-            l.ref[s] = 0;
-            continue;
-        }
-        return s;
-    }
-    MOE_CACHE_ASSERT(false);
-    return -1;
+// expert e's own slot when it is free, else the lowest free slot (ggml_moe_cache_free_slot); only while n_free > 0.
+// In a layer with a slot per expert, every expert so placed keeps its own slot (nothing is evicted while a slot is
+// free, and the slot of an expert that is not resident is free), so once all are resident the bank is the image of
+// the host tensor and the graph may read it in place (whole)
+static int32_t free_slot(llama_moe_cache_layer & l, int32_t e) {
+    const ggml_moe_cache_state st = state_of(l);
+    const int32_t s = ggml_moe_cache_free_slot(&st, e);
+    MOE_CACHE_ASSERT(s >= 0);
+    return s;
 }
 
 static llama_moe_cache_layer & layer_of(llama_moe_cache & c, int32_t il) {
@@ -271,42 +257,34 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     out.overflow = false;
     out.slot_ids.assign((size_t) (n_tokens * n_used), 0);
     out.fills.clear();
-
-    // distinct experts in order of first appearance: the plan depends on the routing only, never on addresses
-    std::vector<int32_t> & distinct = scratch;
-    distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
-    out.n_distinct = (int32_t) distinct.size();
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            routed(l, ids, t, j, stride); // in range, or abort
+        }
+    }
     st.n_ubatches++;
 
-    if (out.n_distinct > l.n_slots) {
+    // the lookup the device runs (ggml-moe-cache-lookup.h): the plan depends on the routing only, never on addresses
+    const ggml_moe_cache_state state = state_of(l);
+    int32_t n_distinct = 0;
+    const int32_t n_missed = ggml_moe_cache_lookup(&state, { l.marks.data(), l.distinct.data() }, ids, n_tokens, n_used,
+            stride, out.slot_ids.data(), l.fill_expert.data(), l.fill_slot.data(), l.fill_evicted.data(), &n_distinct);
+    out.n_distinct = n_distinct;
+    if (n_missed < 0) {
         out.overflow = true;
+        std::vector<int32_t> & distinct = scratch;
+        distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
         count_staging(l, distinct, st);
         return false;
     }
-
-    // hits first, so that no miss can take the slot of an expert this ubatch reads
-    for (int32_t e : distinct) {
-        const int32_t s = l.slot_of[e];
-        if (s >= 0) {
-            l.ref[s] = 1;
-            l.pin[s] = l.epoch;
-            st.n_hits++;
-        }
-    }
-    for (int32_t e : distinct) {
-        if (l.slot_of[e] >= 0) {
-            continue;
-        }
-        const int32_t s = l.n_free > 0 ? free_slot(l, e) : clock_victim(l);
-        if (assign(*this, l, e, s, st)) {
-            out.fills.push_back({ e, s });
-        }
-        l.pin[s] = l.epoch;
-        st.n_misses++;
-    }
-    for (int64_t t = 0; t < n_tokens; t++) {
-        for (int32_t j = 0; j < n_used; j++) {
-            out.slot_ids[t * n_used + j] = l.slot_of[ids[t * stride + j]];
+    st.n_hits   += n_distinct - n_missed;
+    st.n_misses += n_missed;
+    for (int32_t i = 0; i < n_missed; i++) {
+        st.n_evictions += l.fill_evicted[i] >= 0;
+        st.n_fills++;
+        // debug: the n-th fill is recorded in the slot state but left out of the plan (a planted stale slot)
+        if (++n_fills_planned != debug_skip_fill) {
+            out.fills.push_back({ l.fill_expert[i], l.fill_slot[i] });
         }
     }
 

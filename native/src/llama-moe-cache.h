@@ -13,7 +13,8 @@
 // give every MoE layer min_slots gives no layer a cache (a partial cover would favour the first layers) and says why.
 // Banks are per device: size each device's layers against that device's budget.
 //
-// Decode (plan_decode): CLOCK over the slots of a layer. A hit sets the slot's reference bit; a miss takes a free
+// Decode (plan_decode, which runs the lookup of ggml-moe-cache-lookup.h on the layer's slot state, the lookup the
+// device op will run on the same state): CLOCK over the slots of a layer. A hit sets the slot's reference bit; a miss takes a free
 // slot (its own, slot e for expert e, where that one is free), else the first slot under the hand whose bit is
 // clear, clearing bits as it passes; slots that the same ubatch uses are never taken. A ubatch with more distinct experts in a layer than the layer has slots changes
 // nothing and says so: the caller takes the staging path for that layer.
@@ -114,9 +115,10 @@ struct llama_moe_cache_layer {
     int32_t n_tensors;
     size_t  expert_bytes;
 
+    // the slot state, as ggml-moe-cache-lookup.h reads it (the device lookup keeps the same state)
     std::vector<int32_t> slot_of;   // [n_expert] slot or -1
     std::vector<int32_t> expert_of; // [n_slots] expert or -1 (free)
-    std::vector<uint8_t> ref;       // [n_slots] CLOCK reference bits
+    std::vector<int32_t> ref;       // [n_slots] CLOCK reference bits
     int32_t hand   = 0;
     int32_t n_free = 0;
 
@@ -129,6 +131,11 @@ struct llama_moe_cache_layer {
     std::vector<uint32_t> pin;  // [n_slots]
     std::vector<uint32_t> cnt;  // [n_expert] routed tokens of the current prompt ubatch
     uint32_t epoch = 0;
+
+    // the decode lookup's scratch (ggml_moe_cache_scratch) and fills, reused
+    std::vector<uint8_t> marks;     // [n_expert + n_slots], zero between lookups
+    std::vector<int32_t> distinct;  // [n_slots]
+    std::vector<int32_t> fill_expert, fill_slot, fill_evicted; // [n_slots]
 };
 
 // Not thread-safe: one per context, planned from the thread that computes its graphs.

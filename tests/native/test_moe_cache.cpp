@@ -13,6 +13,7 @@
 // returns) and check every read against the routing: a plan that maps an expert to a slot it never filled fails.
 // Prints "ok CASE: ..." and exits 0, or "FAIL CASE: ..." and exits 1.
 #include "llama-moe-cache.h"
+#include "ggml-moe-cache-lookup.h"
 
 #include <algorithm>
 #include <cmath>
@@ -861,6 +862,54 @@ static void whole_layer() {
             de.n_in_place, de.n_ubatches);
 }
 
+static void lookup_handover() {
+    // The decode lookup of ggml-moe-cache-lookup.h is what plan_decode runs; a device keeps the same flat state. Two
+    // planners driven by the same skewed routing, one of which hands its state to a flat copy (as to a device) for
+    // 200 tokens and takes it back, plan the same slots and fills at every step and end in the same state.
+    router r(128, 8, 0.5, 23);
+    llama_moe_cache a = one_layer(128, 40), b = one_layer(128, 40);
+    llama_moe_cache_layer & lb = b.layers[0];
+    std::vector<int32_t> slot_of, expert_of, ref, marks_i;
+    int32_t hand = 0, n_free = 0;
+    std::vector<uint8_t> marks(128 + 40, 0);
+    std::vector<int32_t> distinct(40), fe(40), fs(40), fo(40), slot_ids;
+    llama_moe_cache_decode_plan pa, pb;
+    for (int t = 0; t < 600; t++) {
+        const int64_t n_tokens = 1 + t % 4;
+        const std::vector<int32_t> ids = r.route(n_tokens);
+        CHECK(a.plan_decode(0, ids.data(), n_tokens, 8, 8, pa), "overflow at %d", t);
+        const bool on_device = t >= 200 && t < 400;
+        if (t == 200) { // hand over: the planner's state to the flat copy
+            slot_of = lb.slot_of; expert_of = lb.expert_of; ref = lb.ref; hand = lb.hand; n_free = lb.n_free;
+        }
+        if (t == 400) { // and back
+            lb.slot_of = slot_of; lb.expert_of = expert_of; lb.ref = ref; lb.hand = hand; lb.n_free = n_free;
+        }
+        if (on_device) {
+            const ggml_moe_cache_state st = { 128, 40, slot_of.data(), expert_of.data(), ref.data(), &hand, &n_free };
+            slot_ids.assign(n_tokens * 8, -1);
+            int32_t n_distinct = 0;
+            const int32_t n = ggml_moe_cache_lookup(&st, { marks.data(), distinct.data() }, ids.data(), n_tokens, 8, 8,
+                    slot_ids.data(), fe.data(), fs.data(), fo.data(), &n_distinct);
+            CHECK(n == (int32_t) pa.fills.size() && n_distinct == pa.n_distinct, "step %d: %d fills, %zu planned", t, n, pa.fills.size());
+            CHECK(slot_ids == pa.slot_ids, "step %d: slot ids differ", t);
+            for (int32_t i = 0; i < n; i++) {
+                CHECK(fe[i] == pa.fills[i].expert && fs[i] == pa.fills[i].slot, "step %d fill %d differs", t, i);
+            }
+            for (uint8_t m : marks) {
+                CHECK(m == 0, "step %d: scratch marks left set", t);
+            }
+        } else {
+            CHECK(b.plan_decode(0, ids.data(), n_tokens, 8, 8, pb), "overflow at %d", t);
+            CHECK(pb.slot_ids == pa.slot_ids && pb.fills.size() == pa.fills.size(), "step %d differs", t);
+        }
+    }
+    const llama_moe_cache_layer & la = a.layers[0];
+    CHECK(la.slot_of == lb.slot_of && la.expert_of == lb.expert_of && la.ref == lb.ref && la.hand == lb.hand &&
+            la.n_free == lb.n_free, "the states differ after the handover");
+    check_cache(b);
+}
+
 int main(int argc, char ** argv) {
     struct test_case {
         const char * name;
@@ -885,6 +934,7 @@ int main(int argc, char ** argv) {
         { "stats-arithmetic",        stats_arithmetic },
         { "skip-fill",               skip_fill },
         { "whole-layer",             whole_layer },
+        { "lookup-handover",         lookup_handover },
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s CASE|all|sim|list\n", argv[0]);

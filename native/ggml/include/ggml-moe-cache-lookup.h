@@ -1,0 +1,168 @@
+// ggml-moe-cache-lookup.h (pyllama_moe, issue 13): the MoE expert cache's decode lookup on a flat slot state, the one
+// implementation that the host-side plan (llama-moe-cache.cpp) runs today and that the device lookup op runs on
+// the CPU, on SIM and, from shared memory, in the CUDA kernel. Plain C with no library calls and no allocation, so
+// that every one of them computes the same slots from the same state and the two can hand over (prompt, then decode)
+// by copying the state.
+//
+// The state of one cached layer (n_expert experts, n_slots slots), all int32:
+//   slot_of[n_expert]   the slot of each expert, -1 when not resident
+//   expert_of[n_slots]  the expert of each slot, -1 when free
+//   ref[n_slots]        CLOCK reference bits (0/1)
+//   hand, n_free        the CLOCK hand and the free slots
+//
+// A lookup of a ubatch's routing: the distinct experts in order of first appearance; each hit sets its reference bit
+// and is pinned; each miss takes its own slot (slot e for expert e) if that one is free, else the lowest free slot,
+// else the first slot under the hand that is not pinned and whose bit is clear (clearing the bits it passes), and is
+// pinned; slot ids are written for every routed id. More distinct experts than slots change nothing (-1).
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define GGML_MOE_CACHE_FN static inline __host__ __device__
+#else
+#define GGML_MOE_CACHE_FN static inline
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ggml_moe_cache_state {
+    int32_t   n_expert;
+    int32_t   n_slots;
+    int32_t * slot_of;
+    int32_t * expert_of;
+    int32_t * ref;
+    int32_t * hand;
+    int32_t * n_free;
+};
+
+// scratch of a lookup: marks[n_expert + n_slots] all zero on entry (left zero on return), distinct[n_slots]
+struct ggml_moe_cache_scratch {
+    uint8_t * marks;
+    int32_t * distinct;
+};
+
+// expert e's own slot when it is free, else the lowest free slot; only while *n_free > 0
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_free_slot(const struct ggml_moe_cache_state * st, int32_t e) {
+    if (e < st->n_slots && st->expert_of[e] < 0) {
+        return e;
+    }
+    for (int32_t s = 0; s < st->n_slots; s++) {
+        if (st->expert_of[s] < 0) {
+            return s;
+        }
+    }
+    return -1;
+}
+
+// CLOCK: at least one slot is not pinned (the caller checked the distinct experts against the slots), so two turns of
+// the hand always find one
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cache_state * st, const uint8_t * pinned) {
+    for (int32_t step = 0; step < 2 * st->n_slots + 1; step++) {
+        const int32_t s = *st->hand;
+        *st->hand = (s + 1) % st->n_slots;
+        if (pinned[s]) {
+            continue;
+        }
+        if (st->ref[s]) {
+            st->ref[s] = 0;
+            continue;
+        }
+        return s;
+    }
+    return -1;
+}
+
+// ids: routed expert of token t at ids[t * stride + j], j < n_used, each in [0, n_expert). Writes slot_ids[t * n_used
+// + j] and, per miss in the order taken, fill_expert / fill_slot / evicted (the expert the slot held, -1: free), at
+// most n_slots of them. Returns the misses (fills), or -1 on overflow: the state is unchanged and slot_ids all 0.
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids,
+        int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted, int32_t * n_distinct_out) {
+    uint8_t * seen   = sc.marks;
+    uint8_t * pinned = sc.marks + st->n_expert;
+    int32_t n_distinct = 0;
+    int     overflow   = 0;
+    for (int64_t t = 0; t < n_tokens && !overflow; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = ids[t * stride + j];
+            if (!seen[e]) {
+                if (n_distinct == st->n_slots) {
+                    overflow = 1;
+                    break;
+                }
+                seen[e] = 1;
+                sc.distinct[n_distinct++] = e;
+            }
+        }
+    }
+    if (overflow) {
+        // count what an overflow reports: every distinct expert (the marks are cleared as they are counted)
+        for (int32_t i = 0; i < n_distinct; i++) {
+            seen[sc.distinct[i]] = 0;
+        }
+        int32_t n = 0;
+        for (int64_t t = 0; t < n_tokens; t++) {
+            for (int32_t j = 0; j < n_used; j++) {
+                const int32_t e = ids[t * stride + j];
+                n += !seen[e];
+                seen[e] = 1;
+            }
+        }
+        for (int64_t t = 0; t < n_tokens; t++) {
+            for (int32_t j = 0; j < n_used; j++) {
+                seen[ids[t * stride + j]] = 0;
+                slot_ids[t * n_used + j] = 0;
+            }
+        }
+        *n_distinct_out = n;
+        return -1;
+    }
+    // hits first, so that no miss can take the slot of an expert this ubatch reads
+    for (int32_t i = 0; i < n_distinct; i++) {
+        const int32_t s = st->slot_of[sc.distinct[i]];
+        if (s >= 0) {
+            st->ref[s] = 1;
+            pinned[s]  = 1;
+        }
+    }
+    int32_t n_fills = 0;
+    for (int32_t i = 0; i < n_distinct; i++) {
+        const int32_t e = sc.distinct[i];
+        if (st->slot_of[e] >= 0) {
+            continue;
+        }
+        const int32_t s   = *st->n_free > 0 ? ggml_moe_cache_free_slot(st, e) : ggml_moe_cache_clock_victim(st, pinned);
+        const int32_t old = st->expert_of[s];
+        if (old >= 0) {
+            st->slot_of[old] = -1;
+        } else {
+            (*st->n_free)--;
+        }
+        st->expert_of[s] = e;
+        st->slot_of[e]   = s;
+        st->ref[s]       = 1;
+        pinned[s]        = 1;
+        fill_expert[n_fills] = e;
+        fill_slot[n_fills]   = s;
+        evicted[n_fills]     = old;
+        n_fills++;
+    }
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            slot_ids[t * n_used + j] = st->slot_of[ids[t * stride + j]];
+        }
+    }
+    for (int32_t i = 0; i < n_distinct; i++) {
+        seen[sc.distinct[i]] = 0;
+        pinned[st->slot_of[sc.distinct[i]]] = 0;
+    }
+    *n_distinct_out = n_distinct;
+    return n_fills;
+}
+
+#ifdef __cplusplus
+}
+#endif
