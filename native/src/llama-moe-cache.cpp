@@ -270,6 +270,7 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     const int32_t n_missed = ggml_moe_cache_lookup(&state, { l.marks.data(), l.distinct.data() }, ids, n_tokens, n_used,
             stride, out.slot_ids.data(), l.fill_expert.data(), l.fill_slot.data(), l.fill_evicted.data(), &n_distinct);
     out.n_distinct = n_distinct;
+    MOE_CACHE_ASSERT(n_missed >= -1 && "the ids were checked and the state is the planner's own");
     if (n_missed < 0) {
         out.overflow = true;
         std::vector<int32_t> & distinct = scratch;

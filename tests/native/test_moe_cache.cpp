@@ -869,7 +869,7 @@ static void lookup_handover() {
     router r(128, 8, 0.5, 23);
     llama_moe_cache a = one_layer(128, 40), b = one_layer(128, 40);
     llama_moe_cache_layer & lb = b.layers[0];
-    std::vector<int32_t> slot_of, expert_of, ref, marks_i;
+    std::vector<int32_t> slot_of, expert_of, ref;
     int32_t hand = 0, n_free = 0;
     std::vector<uint8_t> marks(128 + 40, 0);
     std::vector<int32_t> distinct(40), fe(40), fs(40), fo(40), slot_ids;
@@ -907,6 +907,36 @@ static void lookup_handover() {
     const llama_moe_cache_layer & la = a.layers[0];
     CHECK(la.slot_of == lb.slot_of && la.expert_of == lb.expert_of && la.ref == lb.ref && la.hand == lb.hand &&
             la.n_free == lb.n_free, "the states differ after the handover");
+    check_cache(b);
+
+    // bad input, as a device would get it without the host's checks, changes nothing and leaves the marks clear:
+    // an id out of range (-2), a state whose free count or slots disagree (-3); a hand out of range is taken as 0
+    llama_moe_cache_layer & l = b.layers[0];
+    auto lookup = [&](const std::vector<int32_t> & ids) {
+        const ggml_moe_cache_state st = { 128, 40, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free };
+        slot_ids.assign(ids.size(), -7);
+        int32_t n_distinct = 0;
+        const int32_t n = ggml_moe_cache_lookup(&st, { marks.data(), distinct.data() }, ids.data(), 1, (int32_t) ids.size(),
+                (int64_t) ids.size(), slot_ids.data(), fe.data(), fs.data(), fo.data(), &n_distinct);
+        for (uint8_t m : marks) {
+            CHECK(m == 0, "marks left set after a lookup that returned %d", n);
+        }
+        return n;
+    };
+    const llama_moe_cache_layer before = l;
+    for (const std::vector<int32_t> & ids : { std::vector<int32_t>{ 3, 128 }, std::vector<int32_t>{ -1, 3 } }) {
+        CHECK(lookup(ids) == -2 && slot_ids == std::vector<int32_t>(2, 0), "an id out of range");
+        CHECK(l.slot_of == before.slot_of && l.ref == before.ref && l.hand == before.hand, "changed by bad ids");
+    }
+    l.n_free++;
+    CHECK(lookup({ 5, 6 }) == -3 && l.slot_of == before.slot_of, "a free count that disagrees");
+    l.n_free--;
+    const int32_t e = l.expert_of[0];
+    l.expert_of[0] = 1000;
+    CHECK(lookup({ 5, 6 }) == -3, "a slot holding an expert out of range");
+    l.expert_of[0] = e;
+    l.hand = -3;
+    CHECK(lookup({ 5, 6 }) >= 0 && l.hand >= 0 && l.hand < 40, "hand %d", l.hand);
     check_cache(b);
 }
 

@@ -13,7 +13,9 @@
 // A lookup of a ubatch's routing: the distinct experts in order of first appearance; each hit sets its reference bit
 // and is pinned; each miss takes its own slot (slot e for expert e) if that one is free, else the lowest free slot,
 // else the first slot under the hand that is not pinned and whose bit is clear (clearing the bits it passes), and is
-// pinned; slot ids are written for every routed id. More distinct experts than slots change nothing (-1).
+// pinned; slot ids are written for every routed id. More distinct experts than slots change nothing (-1). A device
+// runs this without the host's checks, so bad input changes nothing either: an id out of range (-2), a state whose
+// counts disagree with its slots (-3); a hand out of range is taken as 0.
 #pragma once
 
 #include <stdint.h>
@@ -62,7 +64,7 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_free_slot(const struct ggml_moe_cache_s
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cache_state * st, const uint8_t * pinned) {
     for (int32_t step = 0; step < 2 * st->n_slots + 1; step++) {
         const int32_t s = *st->hand;
-        *st->hand = (s + 1) % st->n_slots;
+        *st->hand = s + 1 == st->n_slots ? 0 : s + 1;
         if (pinned[s]) {
             continue;
         }
@@ -77,12 +79,27 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cach
 
 // ids: routed expert of token t at ids[t * stride + j], j < n_used, each in [0, n_expert). Writes slot_ids[t * n_used
 // + j] and, per miss in the order taken, fill_expert / fill_slot / evicted (the expert the slot held, -1: free), at
-// most n_slots of them. Returns the misses (fills), or -1 on overflow: the state is unchanged and slot_ids all 0.
+// most n_slots of them. Returns the misses (fills), or -1 on overflow (or -2 / -3, see above): the state is unchanged
+// and slot_ids all 0.
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
         const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids,
         int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted, int32_t * n_distinct_out) {
     uint8_t * seen   = sc.marks;
     uint8_t * pinned = sc.marks + st->n_expert;
+    *n_distinct_out = 0;
+    int bad_id = 0;
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int32_t j = 0; j < n_used; j++) {
+            slot_ids[t * n_used + j] = 0;
+            bad_id = bad_id || ids[t * stride + j] < 0 || ids[t * stride + j] >= st->n_expert;
+        }
+    }
+    if (bad_id) {
+        return -2;
+    }
+    if (st->n_slots > 0 && (*st->hand < 0 || *st->hand >= st->n_slots)) {
+        *st->hand = 0;
+    }
     int32_t n_distinct = 0;
     int     overflow   = 0;
     for (int64_t t = 0; t < n_tokens && !overflow; t++) {
@@ -114,11 +131,29 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup(const struct ggml_moe_cache_stat
         for (int64_t t = 0; t < n_tokens; t++) {
             for (int32_t j = 0; j < n_used; j++) {
                 seen[ids[t * stride + j]] = 0;
-                slot_ids[t * n_used + j] = 0;
             }
         }
         *n_distinct_out = n;
         return -1;
+    }
+    // a state the lookup may trust, checked before anything changes: the free slots as counted, every slot's expert
+    // in range, every hit's slot holding it (then a miss always finds a free slot or, the distinct experts being at
+    // most the slots, a victim)
+    int32_t n_free = 0;
+    int     bad    = 0;
+    for (int32_t s = 0; s < st->n_slots; s++) {
+        n_free += st->expert_of[s] < 0;
+        bad = bad || st->expert_of[s] < -1 || st->expert_of[s] >= st->n_expert;
+    }
+    for (int32_t i = 0; i < n_distinct; i++) {
+        const int32_t s = st->slot_of[sc.distinct[i]];
+        bad = bad || s < -1 || s >= st->n_slots || (s >= 0 && st->expert_of[s] != sc.distinct[i]);
+    }
+    if (bad || n_free != *st->n_free) {
+        for (int32_t i = 0; i < n_distinct; i++) {
+            seen[sc.distinct[i]] = 0;
+        }
+        return -3;
     }
     // hits first, so that no miss can take the slot of an expert this ubatch reads
     for (int32_t i = 0; i < n_distinct; i++) {
