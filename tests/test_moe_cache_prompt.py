@@ -46,6 +46,7 @@ def _same(a, b):
 def test_a_prompt_whose_experts_fit_uploads_each_expert_once(patched_build, src, model, reference):
     got = _run(patched_build, src, model, 8)
     assert f"4 MoE layers with their experts on the host, {N_EXPERT}-{N_EXPERT} of {N_EXPERT} expert slots" in got.log
+    assert "; 4 layers with a slot per expert, read in place once resident" in got.log
     _same(got, reference)
     p = got.stats["prompt"]["cache_prompt"]
     assert p["n_ubatches"] == N_LAYERS * N_UBATCHES
@@ -126,7 +127,7 @@ def test_a_small_cache_keeps_its_first_residents_through_the_prompt(patched_buil
     # 2 MiB: 5 of 16 slots per layer. The first ubatch fills them, no later one replaces them (a prompt ubatch routes
     # to nearly every expert: LRU would send all of them again each time)
     got = _run(patched_build, src, model, 2)
-    assert "5-5 of 16 expert slots" in got.log
+    assert "5-5 of 16 expert slots" in got.log and "read in place once resident" not in got.log
     _same(got, reference)
     p = got.stats["prompt"]["cache_prompt"]
     assert p["n_fills"] == N_LAYERS * 5 and p["n_evictions"] == 0

@@ -347,9 +347,21 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                     smin = std::min(smin, s);
                     smax = std::max(smax, s);
                 }
+                int32_t n_whole = 0;
+                for (size_t j = 0; j < dd.size(); j++) {
+                    n_whole += sz.n_slots[j] == dd[j].n_expert;
+                }
+                // which graphs read the banks: through the plan up to decode_max tokens; layers with a slot per
+                // expert at every size once all their experts are resident (llama-moe-cache-rt.h, "In place")
+                char whole[96] = "";
+                if (n_whole > 0) {
+                    snprintf(whole, sizeof(whole), "; %d layer%s with a slot per expert, read in place once resident",
+                            n_whole, n_whole > 1 ? "s" : "");
+                }
                 LLAMA_LOG_INFO("llama_moe: expert cache on %s: %.2f MiB, %d MoE layers with their experts on the host, "
-                        "%d-%d of %d expert slots each; graphs of up to %d tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)\n",
-                        ggml_backend_dev_name(dev), mib(sz.bytes_used), sz.n_layers, smin, smax, dd[0].n_expert, rt->decode_max);
+                        "%d-%d of %d expert slots each; graphs of up to %d tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)%s\n",
+                        ggml_backend_dev_name(dev), mib(sz.bytes_used), sz.n_layers, smin, smax, dd[0].n_expert, rt->decode_max,
+                        whole);
                 break;
             }
             LLAMA_LOG_WARN("llama_moe: expert cache of %.2f MiB does not fit on %s: trying half\n", mib(budget),
