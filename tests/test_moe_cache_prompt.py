@@ -5,8 +5,6 @@ those of the cache off; what moved over which path is in the prompt counters. A 
 each expert in its own slot, and once they are all resident the graphs read the banks in place."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from pyllama_moe import models, runner
@@ -26,11 +24,12 @@ def model():
     return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
-def _run(build, src, model, cache_mib: int, env=None, want_logits=True):
-    spec = runner.RunSpec(model=model, tokens=PROMPT, cpu_moe=True, load_mode="none", repack=False, threads=2,
-                          n_ubatch=UBATCH, n_batch=512, generate=8, stats=True, want_logits=want_logits,
-                          env={**SIM_ENV, "LLAMA_MOE_CACHE_MIB": str(cache_mib), **(env or {})})
-    return runner.run(build, src, spec)
+def _run(build, src, model, cache_mib: int, env=None, want_logits=True, **spec):
+    """The prompt at ub 128 with 8 generated tokens, the cache at cache_mib; spec: other RunSpec fields."""
+    fields = dict(model=model, tokens=PROMPT, cpu_moe=True, load_mode="none", repack=False, threads=2, n_ubatch=UBATCH,
+                  n_batch=512, generate=8, stats=True, want_logits=want_logits,
+                  env={**SIM_ENV, "LLAMA_MOE_CACHE_MIB": str(cache_mib), **(env or {})})
+    return runner.run(build, src, runner.RunSpec(**{**fields, **spec}))
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +68,9 @@ def test_a_prompt_whose_experts_fit_uploads_each_expert_once(patched_build, src,
 def test_a_whole_cache_filled_by_decode_is_read_in_place_from_then_on(patched_build, src, model):
     # no prompt uploads ahead (ub 512 under GGML_SCHED_PREFETCH=0): the decode plan fills the slots as tokens route to
     # experts, each into its own slot, and each layer is read in place once all of its experts have come
-    spec = runner.RunSpec(model=model, tokens=PROMPT[:64], cpu_moe=True, load_mode="none", repack=False, threads=2,
-                          n_ubatch=512, n_batch=512, generate=64, stats=True, want_logits=False,
-                          env={**SIM_ENV, "GGML_SCHED_PREFETCH": "0", "LLAMA_MOE_CACHE_MIB": "8"})
-    got = runner.run(patched_build, src, spec)
-    ref = runner.run(patched_build, src, dataclasses.replace(spec, env={**spec.env, "LLAMA_MOE_CACHE_MIB": "0"}))
+    spec = dict(env={"GGML_SCHED_PREFETCH": "0"}, want_logits=False, tokens=PROMPT[:64], n_ubatch=512, generate=64)
+    got = _run(patched_build, src, model, 8, **spec)
+    ref = _run(patched_build, src, model, 0, **spec)
     assert got.generated == ref.generated and got.decode_logits_sha256 == ref.decode_logits_sha256
     d = got.stats["generate"]["cache_decode"]
     assert d["n_misses"] > 0 and d["n_evictions"] == 0 and d["n_in_place"] > 0, d
@@ -94,16 +91,14 @@ def test_no_op_offload_keeps_a_prompt_on_the_cpu(patched_build, src, model):
     # From the cold read: with op offload off, prompt ubatches compute host experts on the CPU (and the reservation
     # planned so); a layer made whole earlier (here by 96 tokens decoded one at a time, then forgotten) must not move
     # them to the device. Decode-size graphs read it in place
-    spec = runner.RunSpec(model=model, tokens=PROMPT, cpu_moe=True, load_mode="none", repack=False, threads=2,
-                          n_ubatch=UBATCH, n_batch=512, generate=8, stats=True, op_offload=False,
-                          warm_tokens=PROMPT[:96], env={**SIM_ENV, "LLAMA_MOE_CACHE_MIB": "8"})
-    got = runner.run(patched_build, src, spec)
-    ref = runner.run(patched_build, src, dataclasses.replace(spec, env={**spec.env, "LLAMA_MOE_CACHE_MIB": "0"}))
+    warm = PROMPT[:96]
+    got = _run(patched_build, src, model, 8, op_offload=False, warm_tokens=warm)
+    ref = _run(patched_build, src, model, 0, op_offload=False, warm_tokens=warm)
     _same(got, ref)
     assert got.stats["prompt"]["cache_prompt"]["n_in_place"] == 0
     assert got.stats["generate"]["cache_decode"]["n_in_place"] > 0
     # and with op offload on, the same warm cache is read in place by every prompt ubatch
-    on = runner.run(patched_build, src, dataclasses.replace(spec, op_offload=True))
+    on = _run(patched_build, src, model, 8, warm_tokens=warm)
     assert on.stats["prompt"]["cache_prompt"]["n_in_place"] == N_UBATCHES * N_LAYERS
 
 

@@ -753,9 +753,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }
-    for (rt_layer & l : rt->layers) {
-        settle_prompt_admits(*rt, l);
-    }
+    llama_moe_cache_settle(rt);
     rt->n_graphs++;
     bool banks = false;
     bool first_in_place = false;

@@ -257,11 +257,6 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     out.overflow = false;
     out.slot_ids.assign((size_t) (n_tokens * n_used), 0);
     out.fills.clear();
-    for (int64_t t = 0; t < n_tokens; t++) {
-        for (int32_t j = 0; j < n_used; j++) {
-            routed(l, ids, t, j, stride); // in range, or abort
-        }
-    }
     st.n_ubatches++;
 
     // the lookup the device runs (ggml-moe-cache-lookup.h): the plan depends on the routing only, never on addresses
@@ -270,7 +265,8 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     const int32_t n_missed = ggml_moe_cache_lookup(&state, { l.marks.data(), l.distinct.data() }, ids, n_tokens, n_used,
             stride, out.slot_ids.data(), l.fill_expert.data(), l.fill_slot.data(), l.fill_evicted.data(), &n_distinct);
     out.n_distinct = n_distinct;
-    MOE_CACHE_ASSERT(n_missed >= -1 && "the ids were checked and the state is the planner's own");
+    // -2: an id out of range (a caller's bug); -3 cannot be, the state is the planner's own
+    MOE_CACHE_ASSERT(n_missed >= -1 && "routed ids in [0, n_expert), a consistent slot state");
     if (n_missed < 0) {
         out.overflow = true;
         std::vector<int32_t> & distinct = scratch;
