@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -90,7 +91,8 @@ def test_op_log_shows_expert_copies_before_their_compute(patched_build, src, qwe
 
 def test_backend_ops_pass_on_sim_and_fail_when_sync_does_not_wait(patched_build):
     tool = patched_build.tool("test-backend-ops")
-    ops = "ADD,MUL,RMS_NORM,SOFT_MAX,GET_ROWS,ARGSORT,SWIGLU,CPY"
+    # MOE_CACHE_LOOKUP: the expert cache's lookup op (patch `ggml: GGML_OP_MOE_CACHE_LOOKUP`), compared exactly
+    ops = "ADD,MUL,RMS_NORM,SOFT_MAX,GET_ROWS,ARGSORT,SWIGLU,CPY,MOE_CACHE_LOOKUP"
 
     def run(extra):
         return subprocess.run([str(tool), "-b", "SIM0", "-o", ops], env={**os.environ, **SIM_ENV, **extra},
@@ -99,6 +101,10 @@ def test_backend_ops_pass_on_sim_and_fail_when_sync_does_not_wait(patched_build)
     ok = run({})
     assert ok.returncode == 0, ok.stdout[-3000:]
     assert "Backend SIM0" in ok.stdout and "ggml_sim: race" not in ok.stdout + ok.stderr
+    # an op SIM did not support would be skipped, not failed: the lookup's cases must have run (results are coloured)
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", ok.stdout).splitlines()
+    lookups = [line for line in lines if line.strip().startswith("MOE_CACHE_LOOKUP(")]
+    assert len(lookups) >= 20 and all(line.rstrip().endswith(": OK") for line in lookups), "\n".join(lookups[:5])
     bad = run({"GGML_SIM_DEBUG_SKIP_SYNC": "1"})
     assert bad.returncode != 0 and "ggml_sim: race" in bad.stdout + bad.stderr
 

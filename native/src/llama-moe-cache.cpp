@@ -262,7 +262,7 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     // the lookup the device runs (ggml-moe-cache-lookup.h): the plan depends on the routing only, never on addresses
     const ggml_moe_cache_state state = state_of(l);
     int32_t n_distinct = 0;
-    const int32_t n_missed = ggml_moe_cache_lookup(&state, { l.marks.data(), l.distinct.data() }, ids, n_tokens, n_used,
+    const int32_t n_missed = ggml_moe_cache_lookup_slots(&state, { l.marks.data(), l.distinct.data() }, ids, n_tokens, n_used,
             stride, out.slot_ids.data(), l.fill_expert.data(), l.fill_slot.data(), l.fill_evicted.data(), &n_distinct);
     out.n_distinct = n_distinct;
     // -2: an id out of range (a caller's bug); -3 cannot be, the state is the planner's own

@@ -865,14 +865,16 @@ static void whole_layer() {
 static void lookup_handover() {
     // The decode lookup of ggml-moe-cache-lookup.h is what plan_decode runs; a device keeps the same flat state. Two
     // planners driven by the same skewed routing, one of which hands its state to a flat copy (as to a device) for
-    // 200 tokens and takes it back, plan the same slots and fills at every step and end in the same state.
+    // 200 tokens and takes it back, plan the same slots and fills at every step and end in the same state. The flat
+    // copy is the op's (GGML_OP_MOE_CACHE_LOOKUP): its state layout, its scratch in one piece, its dst.
     router r(128, 8, 0.5, 23);
     llama_moe_cache a = one_layer(128, 40), b = one_layer(128, 40);
     llama_moe_cache_layer & lb = b.layers[0];
-    std::vector<int32_t> slot_of, expert_of, ref;
-    int32_t hand = 0, n_free = 0;
-    std::vector<uint8_t> marks(128 + 40, 0);
-    std::vector<int32_t> distinct(40), fe(40), fs(40), fo(40), slot_ids;
+    std::vector<int32_t> flat(ggml_moe_cache_state_size(128, 40), -9);
+    const ggml_moe_cache_state dev = ggml_moe_cache_state_flat(flat.data(), 128, 40);
+    std::vector<uint8_t> scratch(ggml_moe_cache_scratch_size(128, 40), 0);
+    const ggml_moe_cache_scratch sc = ggml_moe_cache_scratch_at(scratch.data(), 128, 40);
+    std::vector<int32_t> dst;
     llama_moe_cache_decode_plan pa, pb;
     for (int t = 0; t < 600; t++) {
         const int64_t n_tokens = 1 + t % 4;
@@ -880,24 +882,33 @@ static void lookup_handover() {
         CHECK(a.plan_decode(0, ids.data(), n_tokens, 8, 8, pa), "overflow at %d", t);
         const bool on_device = t >= 200 && t < 400;
         if (t == 200) { // hand over: the planner's state to the flat copy
-            slot_of = lb.slot_of; expert_of = lb.expert_of; ref = lb.ref; hand = lb.hand; n_free = lb.n_free;
+            std::copy(lb.slot_of.begin(), lb.slot_of.end(), dev.slot_of);
+            std::copy(lb.expert_of.begin(), lb.expert_of.end(), dev.expert_of);
+            std::copy(lb.ref.begin(), lb.ref.end(), dev.ref);
+            *dev.hand = lb.hand; *dev.n_free = lb.n_free;
+            CHECK(std::find(flat.begin(), flat.end(), -9) == flat.end(), "the flat state has a hole");
         }
         if (t == 400) { // and back
-            lb.slot_of = slot_of; lb.expert_of = expert_of; lb.ref = ref; lb.hand = hand; lb.n_free = n_free;
+            lb.slot_of.assign(dev.slot_of, dev.slot_of + 128);
+            lb.expert_of.assign(dev.expert_of, dev.expert_of + 40);
+            lb.ref.assign(dev.ref, dev.ref + 40);
+            lb.hand = *dev.hand; lb.n_free = *dev.n_free;
         }
         if (on_device) {
-            const ggml_moe_cache_state st = { 128, 40, slot_of.data(), expert_of.data(), ref.data(), &hand, &n_free };
-            slot_ids.assign(n_tokens * 8, -1);
-            int32_t n_distinct = 0;
-            const int32_t n = ggml_moe_cache_lookup(&st, { marks.data(), distinct.data() }, ids.data(), n_tokens, 8, 8,
-                    slot_ids.data(), fe.data(), fs.data(), fo.data(), &n_distinct);
-            CHECK(n == (int32_t) pa.fills.size() && n_distinct == pa.n_distinct, "step %d: %d fills, %zu planned", t, n, pa.fills.size());
-            CHECK(slot_ids == pa.slot_ids, "step %d: slot ids differ", t);
-            for (int32_t i = 0; i < n; i++) {
-                CHECK(fe[i] == pa.fills[i].expert && fs[i] == pa.fills[i].slot, "step %d fill %d differs", t, i);
+            const ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(8, n_tokens, 40);
+            dst.assign(d.size, -1);
+            const int32_t n = ggml_moe_cache_lookup_to_dst(&dev, sc, ids.data(), n_tokens, 8, 8, dst.data(), dst.data() + d.result);
+            CHECK(n == (int32_t) pa.fills.size() && dst[d.result] == n && dst[d.n_distinct] == pa.n_distinct,
+                    "step %d: %d fills, %zu planned", t, n, pa.fills.size());
+            CHECK(std::equal(pa.slot_ids.begin(), pa.slot_ids.end(), dst.begin()) && (int64_t) pa.slot_ids.size() == d.result,
+                    "step %d: slot ids differ", t);
+            for (int32_t i = 0; i < 40; i++) {
+                const bool fill = i < n;
+                CHECK(dst[d.fill_expert + i] == (fill ? pa.fills[i].expert : -1) && dst[d.fill_slot + i] == (fill ? pa.fills[i].slot : -1) &&
+                        (fill || dst[d.evicted + i] == -1), "step %d fill %d differs", t, i);
             }
-            for (uint8_t m : marks) {
-                CHECK(m == 0, "step %d: scratch marks left set", t);
+            for (int64_t i = 0; i < 128 + 40; i++) {
+                CHECK(sc.marks[i] == 0, "step %d: scratch marks left set", t);
             }
         } else {
             CHECK(b.plan_decode(0, ids.data(), n_tokens, 8, 8, pb), "overflow at %d", t);
@@ -912,11 +923,13 @@ static void lookup_handover() {
     // bad input, as a device would get it without the host's checks, changes nothing and leaves the marks clear:
     // an id out of range (-2), a state whose free count or slots disagree (-3); a hand out of range is taken as 0
     llama_moe_cache_layer & l = b.layers[0];
+    std::vector<uint8_t> marks(128 + 40, 0);
+    std::vector<int32_t> distinct(40), fe(40), fs(40), fo(40), slot_ids;
     auto lookup = [&](const std::vector<int32_t> & ids) {
         const ggml_moe_cache_state st = { 128, 40, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free };
         slot_ids.assign(ids.size(), -7);
         int32_t n_distinct = 0;
-        const int32_t n = ggml_moe_cache_lookup(&st, { marks.data(), distinct.data() }, ids.data(), 1, (int32_t) ids.size(),
+        const int32_t n = ggml_moe_cache_lookup_slots(&st, { marks.data(), distinct.data() }, ids.data(), 1, (int32_t) ids.size(),
                 (int64_t) ids.size(), slot_ids.data(), fe.data(), fs.data(), fo.data(), &n_distinct);
         for (uint8_t m : marks) {
             CHECK(m == 0, "marks left set after a lookup that returned %d", n);

@@ -46,6 +46,71 @@ struct ggml_moe_cache_scratch {
     int32_t * distinct;
 };
 
+// the scratch in one piece of memory aligned to 4 bytes (a work buffer, shared memory): the marks, padded to a multiple
+// of 4 bytes, then distinct
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_marks_padded(int32_t n_expert, int32_t n_slots) {
+    return ((int64_t) n_expert + n_slots + 3) / 4 * 4;
+}
+
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_scratch_size(int32_t n_expert, int32_t n_slots) {
+    return ggml_moe_cache_marks_padded(n_expert, n_slots) + 4 * (int64_t) n_slots;
+}
+
+GGML_MOE_CACHE_FN struct ggml_moe_cache_scratch ggml_moe_cache_scratch_at(void * p, int32_t n_expert, int32_t n_slots) {
+    struct ggml_moe_cache_scratch sc;
+    sc.marks    = (uint8_t *) p;
+    sc.distinct = (int32_t *) (sc.marks + ggml_moe_cache_marks_padded(n_expert, n_slots));
+    return sc;
+}
+
+// The flat state that the op GGML_OP_MOE_CACHE_LOOKUP (ggml.h) reads and updates in place, one int32 tensor per
+// layer: [hand, n_free, slot_of[n_expert], expert_of[n_slots], ref[n_slots]]. One piece, so that handing a layer's
+// state between the host-side plan and a device is one copy.
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_state_size(int32_t n_expert, int32_t n_slots) {
+    return 2 + (int64_t) n_expert + 2 * (int64_t) n_slots;
+}
+
+GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t * flat, int32_t n_expert, int32_t n_slots) {
+    struct ggml_moe_cache_state st;
+    st.n_expert  = n_expert;
+    st.n_slots   = n_slots;
+    st.hand      = flat;
+    st.n_free    = flat + 1;
+    st.slot_of   = flat + 2;
+    st.expert_of = flat + 2 + n_expert;
+    st.ref       = flat + 2 + n_expert + n_slots;
+    return st;
+}
+
+// The op's dst, int32, for n_ids = n_used * n_tokens routed ids:
+//   [slot_ids[n_ids] | result | n_distinct | fill_expert[n_slots] | fill_slot[n_slots] | evicted[n_slots]]
+// result is the lookup's return (the fills, or -1 overflow, -2 an id out of range, -3 an inconsistent state); the
+// fill entries past the fills are -1. Offsets in elements, so that no caller computes them by hand.
+struct ggml_moe_cache_lookup_dst {
+    int64_t result;
+    int64_t n_distinct;
+    int64_t fill_expert;
+    int64_t fill_slot;
+    int64_t evicted;
+    int64_t size;
+};
+
+GGML_MOE_CACHE_FN struct ggml_moe_cache_lookup_dst ggml_moe_cache_lookup_dst_layout(int64_t n_used, int64_t n_tokens,
+        int32_t n_slots) {
+    struct ggml_moe_cache_lookup_dst d;
+    d.result      = n_used * n_tokens;
+    d.n_distinct  = d.result + 1;
+    d.fill_expert = d.result + 2;
+    d.fill_slot   = d.fill_expert + n_slots;
+    d.evicted     = d.fill_slot + n_slots;
+    d.size        = d.evicted + n_slots;
+    return d;
+}
+
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_lookup_dst_size(int64_t n_used, int64_t n_tokens, int32_t n_slots) {
+    return ggml_moe_cache_lookup_dst_layout(n_used, n_tokens, n_slots).size;
+}
+
 // expert e's own slot when it is free, else the lowest free slot; only while *n_free > 0
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_free_slot(const struct ggml_moe_cache_state * st, int32_t e) {
     if (e < st->n_slots && st->expert_of[e] < 0) {
@@ -81,8 +146,8 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cach
 // + j] and, per miss in the order taken, fill_expert / fill_slot / evicted (the expert the slot held, -1: free), at
 // most n_slots of them. Returns the misses (fills), or -1 on overflow (or -2 / -3, see above): the state is unchanged
 // and slot_ids all 0.
-GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
-        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids,
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cache_state * st,
+        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids,
         int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted, int32_t * n_distinct_out) {
     uint8_t * seen   = sc.marks;
     uint8_t * pinned = sc.marks + st->n_expert;
@@ -196,6 +261,20 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup(const struct ggml_moe_cache_stat
     }
     *n_distinct_out = n_distinct;
     return n_fills;
+}
+
+// the lookup into the op's dst: slot_ids as above, tail = the dst from result on; the tail's fill entries must be -1 on
+// entry (the lookup writes only the fills it takes), so that a device can set them with all its threads
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cache_state * st,
+        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        int32_t * slot_ids, int32_t * tail) {
+    const struct ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(0, 0, st->n_slots); // offsets from result
+    int32_t n_distinct = 0;
+    const int32_t res = ggml_moe_cache_lookup_slots(st, sc, ids, n_tokens, n_used, stride, slot_ids,
+            tail + d.fill_expert, tail + d.fill_slot, tail + d.evicted, &n_distinct);
+    tail[d.result]     = res;
+    tail[d.n_distinct] = n_distinct;
+    return res;
 }
 
 #ifdef __cplusplus

@@ -1054,6 +1054,11 @@ ggml_status sim_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgra
             continue;
         }
         task.writes.push_back(range_of(node->data, ggml_nbytes(node)));
+        // the expert cache's lookup updates its slot state, a source, in place: a host read of the state before the
+        // compute is waited for races with it like a read of the node's own output
+        if (node->op == GGML_OP_MOE_CACHE_LOOKUP && node->src[1]->data) {
+            task.writes.push_back(range_of(node->src[1]->data, ggml_nbytes(node->src[1])));
+        }
         for (int j = 0; j < GGML_MAX_SRC; j++) {
             if (node->src[j] && node->src[j]->data) {
                 task.reads.push_back(range_of(node->src[j]->data, ggml_nbytes(node->src[j])));
