@@ -148,7 +148,7 @@ class Harness:
         if cell.candidate == "patched" and cell.backend != "cpu" and int(env.get("LLAMA_MOE_CACHE_MIB", "0")) > 0:
             prefetch = env.get("GGML_SCHED_PREFETCH", "1")
             ahead = ubatches_ahead(cell, env) if prefetch == "2" or (prefetch == "1" and cell.backend == "cuda") else 0
-            checks.append(cache_check(cand.log, ahead))
+            checks.append(cache_check(cand.log, ahead, want_device=env.get("LLAMA_MOE_CACHE_DEVICE", "1") != "0"))
         if oplog is not None:
             used, races = read_sim_oplog(oplog)
             shutil.rmtree(oplog.parent, ignore_errors=True)
@@ -284,11 +284,13 @@ def pin_check(log: str, budget_mib: float | None = None) -> Check:
 CACHE_MADE = re.compile(r"llama_moe: expert cache on (\S+): ([0-9.]+) MiB, (\d+) MoE layers with their experts on the "
                         r"host, (\d+)-(\d+) of (\d+) expert slots")
 CACHE_DECODE = re.compile(r"llama_moe: expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses.*, (\d+) read in place")
+CACHE_DEVICE = re.compile(r"llama_moe: expert cache on (\S+): decode looks up its slots and fills its misses on the device")
+CACHE_HOST = re.compile(r"llama_moe: expert cache on (\S+): decode plans (\d+) of (\d+) layers on the host")
 CACHE_PROMPT = re.compile(r"llama_moe: expert cache, prompts: (\d+) layer steps, (\d+) experts read from the banks, "
                           r"(\d+) uploaded \([0-9.]+ MiB\), (\d+) made resident.*, (\d+) read in place")
 
 
-def cache_check(log: str, ubatches_ahead: int = 0) -> Check:
+def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None) -> Check:
     """The expert cache really took its path, by the context's summary at its end (banks made on which devices,
     with how many slots per layer).
 
@@ -299,7 +301,10 @@ def cache_check(log: str, ubatches_ahead: int = 0) -> Check:
     A cache with a slot per expert (whole): layers read in place once every expert is resident, and where a prompt
     ubatch uploaded ahead it made experts resident. (Decode may still miss: on two devices op offload may stage a
     layer on the other device than its banks, whose prompt fills then go from the host and admit nothing.) Only a
-    device with a slot per expert in some layer may read layers in place."""
+    device with a slot per expert in some layer may read layers in place.
+
+    want_device: decode looks its slots up on every device (True: the default where the backend has the lookup ops),
+    or plans on the host there (False: LLAMA_MOE_CACHE_DEVICE=0); None: either."""
     made = [m.groups() for m in CACHE_MADE.finditer(log)]
     decode = [tuple(map(int, m.groups())) for m in CACHE_DECODE.finditer(log)]
     prompt = [tuple(map(int, m.groups())) for m in CACHE_PROMPT.finditer(log)]
@@ -309,7 +314,13 @@ def cache_check(log: str, ubatches_ahead: int = 0) -> Check:
     p_steps, p_reads, p_fills = (sum(p[i] for p in prompt) for i in (0, 1, 3))
     whole = bool(made) and all(int(m[3]) == int(m[5]) for m in made)
     some_whole = any(int(m[4]) == int(m[5]) for m in made)
-    detail = {"devices": [m[0] for m in made], "whole": whole, "layer_steps": steps, "hits": sum(d[1] for d in decode),
+    on_device = {m.group(1) for m in CACHE_DEVICE.finditer(log)}
+    on_host = {m.group(1) for m in CACHE_HOST.finditer(log)}
+    devices = [m[0] for m in made]
+    decode_path = "device" if devices and on_device >= set(devices) else "host" if devices and on_host >= set(devices) \
+        else "mixed"
+    detail = {"devices": devices, "decode_path": decode_path, "whole": whole, "layer_steps": steps,
+              "hits": sum(d[1] for d in decode),
               "misses": misses, "in_place": in_place, "prompt_ubatches_ahead": ubatches_ahead,
               "prompt_layer_steps": p_steps, "prompt_reads": p_reads, "prompt_fills": p_fills}
     if whole:
@@ -318,6 +329,8 @@ def cache_check(log: str, ubatches_ahead: int = 0) -> Check:
         prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and \
             (p_reads > 0) == (ubatches_ahead > 1)
         ok = steps > 0 and misses > 0 and (in_place == 0 or some_whole) and prompt_ok
+    if want_device is not None:
+        ok = ok and decode_path == ("device" if want_device else "host")
     return Check("cache", bool(made) and ok, detail)
 
 

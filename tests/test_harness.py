@@ -38,22 +38,26 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         # also proves the copies went ahead (or, below the batch, did not)
         knobs = cell["cell"]["knobs"]
         expected |= {"prefetch"} if sim and knobs.startswith(("prefetch", "moe-cache")) else set()
-        # with the expert cache on, banks were made, decode read them, and prompts that upload ahead staged through it
-        expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-whole") else set()
+        # with the expert cache on, banks were made, decode read them (on the device, or with moe-cache-host through
+        # the host-side plan), and prompts that upload ahead staged through it
+        expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole") else set()
         assert set(checks) == expected and all(c["identical"] for c in checks.values())
         assert checks["logits"]["detail"]["positions"] == 600
         generate = cell["cell"]["generate"]
         assert checks["text"]["detail"]["tokens"] == generate and checks["decode-logits"]["detail"]["steps"] == generate - 1
     controls = {c["cell"]["name"]: c for c in cells if c["cell"]["expect"] == "mismatch"}
     assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait", "control/sim-moe-cache-stale",
-                             "control/sim-moe-cache-whole-stale"}
+                             "control/sim-moe-cache-host-stale", "control/sim-moe-cache-whole-stale"}
     for name, control in controls.items():
         assert control["status"] == "pass"
         checks = {c["name"]: c for c in control["checks"]}
-        if name == "control/sim-moe-cache-stale":
-            # the prompt's one ubatch ahead admits 20 experts; the 50th fill, left stale, is a decode fill
+        if name in ("control/sim-moe-cache-stale", "control/sim-moe-cache-host-stale"):
+            # decode on the device: the first fill of every lookup of the first cached layer is left out; with the
+            # host-side plan the 50th fill (the prompt's one ubatch ahead admits 20 experts): both are decode fills
             assert checks["logits"]["identical"] and not checks["decode-logits"]["identical"]
             assert checks["cache"]["identical"]
+            want = "device" if name == "control/sim-moe-cache-stale" else "host"
+            assert checks["cache"]["detail"]["decode_path"] == want
             continue
         if name == "control/sim-moe-cache-whole-stale":
             # the 3rd fill, left stale, is a prompt admit of a whole layer, read in place by the later ubatches
@@ -126,9 +130,21 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
     summary = ("0.02 I llama_moe: expert cache, decode: 1198 layer steps, 1498 hits, 3294 misses (hit rate 31.3%), "
                "0 on the staging path, 328.11 MiB uploaded in 9636 copies, 0 read in place")
     check = cache_check(made + "\n" + summary)
-    assert check.identical and check.detail == {"devices": ["SIM0"], "whole": False, "layer_steps": 1198, "hits": 1498,
-                                                "misses": 3294, "in_place": 0, "prompt_ubatches_ahead": 0,
-                                                "prompt_layer_steps": 0, "prompt_reads": 0, "prompt_fills": 0}
+    assert check.identical and check.detail == {"devices": ["SIM0"], "decode_path": "mixed", "whole": False,
+                                                "layer_steps": 1198, "hits": 1498, "misses": 3294, "in_place": 0,
+                                                "prompt_ubatches_ahead": 0, "prompt_layer_steps": 0, "prompt_reads": 0,
+                                                "prompt_fills": 0}
+    # the decode path the cell asked for, by the context's line per device: a cell that wanted the device lookup and
+    # got the host-side plan (or no line at all) fails, and the other way round
+    device = "0.01 I llama_moe: expert cache on SIM0: decode looks up its slots and fills its misses on the device"
+    host = ("0.01 I llama_moe: expert cache on SIM0: decode plans 4 of 4 layers on the host (a synchronization per "
+            "layer): LLAMA_MOE_CACHE_DEVICE=0")
+    assert cache_check("\n".join([made, device, summary]), want_device=True).detail["decode_path"] == "device"
+    assert cache_check("\n".join([made, device, summary]), want_device=True).identical
+    assert not cache_check("\n".join([made, device, summary]), want_device=False).identical
+    assert cache_check("\n".join([made, host, summary]), want_device=False).identical
+    assert not cache_check("\n".join([made, host, summary]), want_device=True).identical
+    assert not cache_check(made + "\n" + summary, want_device=True).identical
     assert not cache_check(summary).identical  # no banks: the text came from somewhere else
     assert not cache_check(made).identical     # banks, but no summary of decode steps
     assert not cache_check(made + "\n" + summary.replace("3294 misses", "0 misses")).identical

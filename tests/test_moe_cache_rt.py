@@ -33,8 +33,9 @@ def reference(patched_build, src, model):
 
 
 def test_decode_reads_the_banks_and_computes_the_same(patched_build, src, model, reference):
-    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2"})
-    assert "expert cache on SIM0: 1.99 MiB, 4 MoE layers" in got.log
+    # the host-side plan (decode on the device: test_moe_cache_device.py)
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2", "LLAMA_MOE_CACHE_DEVICE": "0"})
+    assert "expert cache on SIM0: 2.00 MiB, 4 MoE layers" in got.log
     assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
     assert got.logits_sha256 == reference.logits_sha256
     decode = got.stats["generate"]["cache_decode"]
@@ -78,5 +79,5 @@ def test_the_per_context_budget_beats_the_environment(patched_build, src, model,
     assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
     # and 0 removes a cache the environment made: the decode takes the host path
     off = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2"}, moe_cache_mib=0)
-    assert "expert cache on SIM0: 1.99 MiB" in off.log and off.stats["generate"]["cache_layers"] == 0
+    assert "expert cache on SIM0: 2.00 MiB" in off.log and off.stats["generate"]["cache_layers"] == 0
     assert off.generated == reference.generated

@@ -91,8 +91,9 @@ def test_op_log_shows_expert_copies_before_their_compute(patched_build, src, qwe
 
 def test_backend_ops_pass_on_sim_and_fail_when_sync_does_not_wait(patched_build):
     tool = patched_build.tool("test-backend-ops")
-    # MOE_CACHE_LOOKUP: the expert cache's lookup op (patch `ggml: GGML_OP_MOE_CACHE_LOOKUP`), compared exactly
-    ops = "ADD,MUL,RMS_NORM,SOFT_MAX,GET_ROWS,ARGSORT,SWIGLU,CPY,MOE_CACHE_LOOKUP"
+    # MOE_CACHE_LOOKUP, MOE_CACHE_FILL: the expert cache's device lookup ops (patches `ggml: GGML_OP_MOE_CACHE_*`),
+    # compared exactly
+    ops = "ADD,MUL,RMS_NORM,SOFT_MAX,GET_ROWS,ARGSORT,SWIGLU,CPY,MOE_CACHE_LOOKUP,MOE_CACHE_FILL"
 
     def run(extra):
         return subprocess.run([str(tool), "-b", "SIM0", "-o", ops], env={**os.environ, **SIM_ENV, **extra},
@@ -105,6 +106,8 @@ def test_backend_ops_pass_on_sim_and_fail_when_sync_does_not_wait(patched_build)
     lines = re.sub(r"\x1b\[[0-9;]*m", "", ok.stdout).splitlines()
     lookups = [line for line in lines if line.strip().startswith("MOE_CACHE_LOOKUP(")]
     assert len(lookups) >= 20 and all(line.rstrip().endswith(": OK") for line in lookups), "\n".join(lookups[:5])
+    fills = [line for line in lines if line.strip().startswith("MOE_CACHE_FILL(")]
+    assert len(fills) >= 9 and all(line.rstrip().endswith(": OK") for line in fills), "\n".join(fills[:5])
     bad = run({"GGML_SIM_DEBUG_SKIP_SYNC": "1"})
     assert bad.returncode != 0 and "ggml_sim: race" in bad.stdout + bad.stderr
 

@@ -6,6 +6,13 @@
 #   cache.sh:pp-off                      issue 12: no prompt row slower with the cache on: pp512/pp4096 at ub 512
 #                                        and 2048, both load modes, against the cache off (the eighth session
 #                                        measured one round: every row 1.28-1.40x, no interval yet)
+#   device-lookup.sh:ops                 issue 13: test-backend-ops of the lookup and fill ops on CUDA, memcheck and
+#                                        racecheck
+#   cache.sh:identity                    issues 12-13: the cache's CUDA cells, now decoding on the device (and the
+#                                        moe-cache-host cell with the host-side plan)
+#   device-lookup.sh:syncs               issue 13: host synchronizations per token, device lookup against all on GPU
+#   device-lookup.sh:tg                  issue 13: tg128 cache half against master, both load modes
+#   cache.sh:tg-whole                    issue 13: tg128 with every expert cached against all on the GPU
 # Done in the eighth session (add them to STEPS to rerun): cache.sh:identity (8 CUDA cells with the whole ones),
 # cache.sh:pp-32k, cache.sh:pp-master, bench-stats.sh:rows-mmap; in the seventh: cache.sh:identity, cache.sh:pp,
 # cache.sh:tg; in the sixth: experts-at-scale.sh:minbatch (skew 0.5),
@@ -26,7 +33,7 @@ follow)
     ;;
 all)
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
-    for s in ${STEPS:-cache.sh:pp-off}; do
+    for s in ${STEPS:-cache.sh:pp-off device-lookup.sh:ops cache.sh:identity device-lookup.sh:syncs device-lookup.sh:tg cache.sh:tg-whole}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"
     done

@@ -9,6 +9,8 @@
 
 #include "ggml-alloc.h"
 #include "ggml-copy-regions.h"
+#include "ggml-host-map.h"
+#include "ggml-moe-cache-lookup.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -54,7 +56,24 @@ struct rt_layer {
     size_t filled[LLAMA_MOE_CACHE_N_TENSORS] = {};
     // a graph read the layer in place since the scheduler last synchronized for it (see bind_graph)
     bool in_place_bound = false;
+
+    // the device lookup (llama-moe-cache-rt.h, "Decode on the device"): whether decode graphs look the layer's slots
+    // up on its device, the slot state there, and where kernels there read each host tensor in place
+    bool          device_lookup = false;
+    ggml_tensor * state         = nullptr;
+    const void *  host_read[LLAMA_MOE_CACHE_N_TENSORS] = {};
+    // which copy of the slot state is newer: the planner's (uploaded before the next device lookup) or the device's
+    // (read back before the planner plans the layer again); the same after a handover
+    enum state_side { STATE_SAME, STATE_HOST_AHEAD, STATE_DEVICE_AHEAD } state_ahead = STATE_HOST_AHEAD;
+    std::vector<int32_t> state_host; // the upload's source (read by the copy until the next synchronization)
+    uint64_t device_counted[GGML_MOE_CACHE_N_COUNTERS] = {}; // the device's counters as last added to the stats
+    // a layer with a slot per expert becomes whole on the device, where the planner cannot see it: its state is read
+    // back once its lookups may have filled every free slot, then every WHOLE_CHECK_STEPS of its device steps
+    int64_t device_steps     = 0;
+    int64_t next_whole_check = 0;
 };
+
+static const int64_t WHOLE_CHECK_STEPS = 8;
 
 // a copy of a run of bytes into or out of a staged copy: from the host weight (src null) or a bank, to a tensor
 struct fill_move {
@@ -88,6 +107,11 @@ struct llama_moe_cache_rt {
     std::vector<fill_move> fill_uploads;  // copy_fill's moves and regions, reused
     std::vector<fill_move> fill_device;
     std::vector<ggml_backend_copy_region> fill_regions;
+    std::vector<bool> device_in_graph; // bind_graph: the layers the graph looks up on the device
+    bool freeing = false;
+    // the user's eval callback stopped a graph that looked up on the device: fills after the stop did not run, so the
+    // device's state may name experts whose bytes never reached their slots (see llama_moe_cache_settle)
+    bool device_graph_stopped = false;
 
     // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int>> host_tensor;
@@ -231,6 +255,8 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         if (n_slots[i] > 0) {
             l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, rt.decode_max);
             ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
+            l.state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, ggml_moe_cache_state_size(l.n_expert, n_slots[i]));
+            ggml_format_name(l.state, "moe_cache_state-%d", l.il);
         }
         l.n_slots = n_slots[i];
     }
@@ -240,6 +266,7 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         for (rt_layer * l : layers) {
             std::fill(std::begin(l->g.bank), std::end(l->g.bank), nullptr);
             l->g.slot_map = nullptr;
+            l->state      = nullptr;
             l->n_slots = 0;
         }
         return false;
@@ -251,6 +278,8 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
     rt.bufs.push_back(buf);
     return true;
 }
+
+static void choose_device_lookup(llama_moe_cache_rt & rt);
 
 llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends,
         int64_t budget_mib) {
@@ -313,7 +342,9 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 }
             }
             GGML_ASSERT(l.backend != nullptr && "the device of a layer has a backend in the context");
-            const size_t overhead = (size_t) l.n_expert * rt->decode_max * sizeof(int32_t); // the slot map
+            // the slot map and the device lookup's state
+            const size_t overhead = (size_t) l.n_expert * rt->decode_max * sizeof(int32_t) +
+                                    (size_t) ggml_moe_cache_state_size(l.n_expert, l.n_expert) * sizeof(int32_t);
             descs[i] = { l.il, (int32_t) l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2], layer_expert_bytes(l), overhead, layer_n_tensors(l) };
             idx.push_back(i);
             dd.push_back(descs[i]);
@@ -400,7 +431,182 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     }
     rt->plan = std::make_unique<llama_moe_cache>(kept_descs, kept_sizing);
     rt->plan->debug_skip_fill = llama_moe_cache_debug_skip_fill();
+    choose_device_lookup(*rt);
     return rt.release();
+}
+
+// LLAMA_MOE_CACHE_DEVICE=0: decode plans on the host even where the device could look its slots up; read once
+static bool device_lookup_on() {
+    static const bool on = llama_moe_env_whole("LLAMA_MOE_CACHE_DEVICE", 0, 1) != 0;
+    return on;
+}
+
+// why the decode graphs of layer l cannot look its slots up on its device, or nullptr; fills l.host_read
+static const char * layer_device_unfit(rt_layer & l) {
+    if (!device_lookup_on()) {
+        return "LLAMA_MOE_CACHE_DEVICE=0";
+    }
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(l.dev);
+    auto device_ptr = (ggml_backend_host_device_ptr_t) ggml_backend_reg_get_proc_address(reg, GGML_BACKEND_HOST_DEVICE_PTR_PROC);
+    if (device_ptr == nullptr) {
+        return "its backend cannot read host memory in place";
+    }
+    int device = -1;
+    for (size_t i = 0; i < ggml_backend_reg_dev_count(reg); i++) {
+        device = ggml_backend_reg_dev_get(reg, i) == l.dev ? (int) i : device;
+    }
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        l.host_read[k] = nullptr;
+        if (l.g.bank[k] == nullptr) {
+            continue;
+        }
+        // the first and the last byte: one mapping may end inside a tensor (a range registered per layer)
+        const ggml_tensor * h = l.g.host[k];
+        const size_t last = ggml_nbytes(h) - 1;
+        const char * first = (const char *) device_ptr(device, h->data);
+        if (first == nullptr || (const char *) device_ptr(device, (const char *) h->data + last) != first + last) {
+            return "its host experts are not page-locked where the device can read them (--pin-experts, or --load-mode none)";
+        }
+        l.host_read[k] = first;
+    }
+    // the ops on the layer's own tensors, as the graph will build them (one token)
+    ggml_init_params ip = { ggml_tensor_overhead() * (2 + LLAMA_MOE_CACHE_N_TENSORS), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * ids    = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, l.n_used, 1);
+    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, l.n_expert, l.n_slots);
+    bool ok = ggml_backend_dev_supports_op(l.dev, lookup);
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS && ok; k++) {
+        if (l.g.bank[k] != nullptr) {
+            ok = ggml_backend_dev_supports_op(l.dev, ggml_moe_cache_fill(ctx, l.g.bank[k], lookup, l.host_read[k],
+                    l.g.host[k]->nb[expert_dim(k)], l.n_slots));
+        }
+    }
+    ggml_free(ctx);
+    return ok ? nullptr : "its backend lacks the lookup ops (GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL) for this layer";
+}
+
+// the decode lookup of each layer on its device where it can be, logged once per device with the reason where not
+static void choose_device_lookup(llama_moe_cache_rt & rt) {
+    std::vector<ggml_backend_dev_t> devs;
+    for (const rt_layer & l : rt.layers) {
+        if (std::find(devs.begin(), devs.end(), l.dev) == devs.end()) {
+            devs.push_back(l.dev);
+        }
+    }
+    for (ggml_backend_dev_t dev : devs) {
+        int32_t n_on = 0, n_all = 0;
+        const char * why_not = nullptr;
+        for (rt_layer & l : rt.layers) {
+            if (l.dev != dev) {
+                continue;
+            }
+            const char * why = layer_device_unfit(l);
+            l.device_lookup = why == nullptr;
+            n_on += l.device_lookup;
+            n_all++;
+            why_not = why_not ? why_not : why;
+        }
+        if (n_on == n_all) {
+            LLAMA_LOG_INFO("llama_moe: expert cache on %s: decode looks up its slots and fills its misses on the device\n",
+                    ggml_backend_dev_name(dev));
+        } else {
+            LLAMA_LOG_INFO("llama_moe: expert cache on %s: decode plans %d of %d layers on the host (a synchronization per "
+                    "layer): %s\n", ggml_backend_dev_name(dev), n_all - n_on, n_all, why_not);
+        }
+    }
+}
+
+// the planner is about to change layer l's slot state: it must hold the newest copy (read back before), and the device's
+// is stale from now on
+static void planner_takes(rt_layer & l) {
+    GGML_ASSERT(l.state_ahead != rt_layer::STATE_DEVICE_AHEAD && "the device's slot state was read back first");
+    l.state_ahead = rt_layer::STATE_HOST_AHEAD;
+}
+
+// the device's slot state of the layers that looked up on it since their last handover, into the planner (with the
+// counters of their lookups); waits for the scheduler's work first, once, where there is any
+// the lookups of layer i counted on its device since the last read, into the planner's decode stats; each fill
+// uploaded one expert of every tensor
+static void add_device_counters(llama_moe_cache_rt & rt, size_t i, const int32_t * counters) {
+    rt_layer & l = rt.layers[i];
+    uint64_t n[GGML_MOE_CACHE_N_COUNTERS];
+    for (int c = 0; c < GGML_MOE_CACHE_N_COUNTERS; c++) {
+        const uint64_t now = ggml_moe_cache_counter_get(counters, c);
+        n[c] = now - l.device_counted[c];
+        l.device_counted[c] = now;
+    }
+    if (n[GGML_MOE_CACHE_COUNT_REFUSED] > 0 && rt.freeing) {
+        LLAMA_LOG_ERROR("llama_moe: %" PRIu64 " device lookups of layer %d changed nothing: those steps read slot 0\n",
+                n[GGML_MOE_CACHE_COUNT_REFUSED], l.il);
+    } else if (n[GGML_MOE_CACHE_COUNT_REFUSED] > 0) {
+        // graph_layer_for sends only graphs whose experts fit the slots, and router ids are in range: a refusal read
+        // slot 0 for every expert of that step, as the host-side plan would have asserted
+        GGML_ABORT("llama_moe: %" PRIu64 " device lookups of layer %d changed nothing (more experts than slots, an id out "
+                "of range, or an inconsistent state)", n[GGML_MOE_CACHE_COUNT_REFUSED], l.il);
+    }
+    llama_moe_cache_stats & st = rt.plan->layers[i].stats[LLAMA_MOE_CACHE_PHASE_DECODE];
+    st.n_ubatches     += n[GGML_MOE_CACHE_COUNT_LOOKUPS];
+    st.n_hits         += n[GGML_MOE_CACHE_COUNT_HITS];
+    st.n_misses       += n[GGML_MOE_CACHE_COUNT_MISSES];
+    st.n_fills        += n[GGML_MOE_CACHE_COUNT_MISSES];
+    st.n_evictions    += n[GGML_MOE_CACHE_COUNT_EVICTIONS];
+    st.bytes_uploaded += n[GGML_MOE_CACHE_COUNT_MISSES] * layer_expert_bytes(l);
+}
+
+// keep_on_device: layers to leave there (empty: none); whole_check: only the layers with a slot per expert that are
+// not whole yet as far as the planner knows and whose next check is due (see llama_moe_cache_settle)
+static void read_back_states(llama_moe_cache_rt & rt, ggml_backend_sched_t sched, const std::vector<bool> & keep_on_device,
+        bool whole_check = false) {
+    bool synced = false;
+    for (size_t i = 0; i < rt.layers.size(); i++) {
+        rt_layer & l = rt.layers[i];
+        if (l.state_ahead != rt_layer::STATE_DEVICE_AHEAD || (!keep_on_device.empty() && keep_on_device[i])) {
+            continue;
+        }
+        if (whole_check && (l.n_slots != l.n_expert || rt.plan->whole(l.il) || l.device_steps < l.next_whole_check)) {
+            continue;
+        }
+        if (!synced) {
+            if (sched != nullptr) {
+                ggml_backend_sched_synchronize(sched);
+            } else {
+                for (rt_layer & o : rt.layers) {
+                    ggml_backend_synchronize(o.backend);
+                }
+            }
+            synced = true;
+        }
+        l.state_host.resize(ggml_nelements(l.state));
+        ggml_backend_tensor_get(l.state, l.state_host.data(), 0, ggml_nbytes(l.state));
+        std::string why;
+        if (!rt.plan->set_state(l.il, l.state_host.data(), why) && rt.freeing) {
+            // in a destructor: say so and keep the planner's state (nothing reads the banks any more)
+            LLAMA_LOG_ERROR("llama_moe: the expert cache's slot state of layer %d on %s is inconsistent: %s\n", l.il,
+                    ggml_backend_dev_name(l.dev), why.c_str());
+        } else if (!why.empty()) {
+            GGML_ABORT("llama_moe: the expert cache's slot state of layer %d on %s is inconsistent: %s", l.il,
+                    ggml_backend_dev_name(l.dev), why.c_str());
+        }
+        add_device_counters(rt, i, ggml_moe_cache_state_flat(l.state_host.data(), l.n_expert, l.n_slots).counters);
+        l.state_ahead = rt_layer::STATE_SAME;
+        l.next_whole_check = l.device_steps + WHOLE_CHECK_STEPS;
+    }
+}
+
+// the device lookups' counters alone, for the stats: the slot state stays where it is (a caller may ask while a graph
+// is queued, or from its eval callback), so nothing is handed over; waits for each such layer's device
+static void read_back_counters(llama_moe_cache_rt & rt) {
+    std::vector<int32_t> counters(2 * GGML_MOE_CACHE_N_COUNTERS);
+    for (size_t i = 0; i < rt.layers.size(); i++) {
+        rt_layer & l = rt.layers[i];
+        if (l.state_ahead != rt_layer::STATE_DEVICE_AHEAD) {
+            continue;
+        }
+        ggml_backend_synchronize(l.backend);
+        const size_t offset = (size_t) (ggml_nelements(l.state) - 2 * GGML_MOE_CACHE_N_COUNTERS) * sizeof(int32_t);
+        ggml_backend_tensor_get(l.state, counters.data(), offset, counters.size() * sizeof(int32_t));
+        add_device_counters(rt, i, counters.data());
+    }
 }
 
 static void log_summary(const llama_moe_cache_rt & rt) {
@@ -427,6 +633,8 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
     if (rt == nullptr) {
         return;
     }
+    rt->freeing = true; // a bad state is reported, not fatal, in a destructor
+    read_back_states(*rt, nullptr, {}); // the counters of the device lookups since the last handover
     log_summary(*rt);
     delete rt;
 }
@@ -442,6 +650,7 @@ static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l) {
         whole = whole && (l.g.bank[k] == nullptr || l.filled[k] == ggml_nbytes(l.g.host[k]));
     }
     if (!whole) {
+        planner_takes(l);
         rt.plan->unadmit(l.il, l.pending);
     }
     l.pending.clear();
@@ -455,10 +664,27 @@ static bool layer_in_place(const llama_moe_cache_rt & rt, const rt_layer & l) {
 }
 
 void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
+    if (rt != nullptr && rt->device_graph_stopped) {
+        // which fills ran is not known: forget every resident, and upload that empty state before the next lookup
+        LLAMA_LOG_WARN("llama_moe: an eval callback stopped a graph whose expert cache lookups run on the device: the cache "
+                "starts empty again\n");
+        for (rt_layer & l : rt->layers) {
+            ggml_backend_synchronize(l.backend);
+        }
+        read_back_counters(*rt);
+        rt->plan->clear();
+        for (rt_layer & l : rt->layers) {
+            l.pending.clear();
+            l.state_ahead = rt_layer::STATE_HOST_AHEAD;
+        }
+        rt->device_graph_stopped = false;
+    }
     if (rt != nullptr) {
         for (rt_layer & l : rt->layers) {
             settle_prompt_admits(*rt, l);
         }
+        // before the next graph is built or reused: a layer the device made whole is read in place from then on
+        read_back_states(*rt, nullptr, {}, true);
     }
 }
 
@@ -474,9 +700,11 @@ int32_t llama_moe_cache_n_in_place(const llama_moe_cache_rt * rt) {
 
 const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
         int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
-        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place) {
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place,
+        bool * device) {
     *staging  = false;
     *in_place = false;
+    *device   = false;
     // n_tokens 0: the last layer of a ubatch none of whose tokens is an output (llama.cpp drops the rows nobody reads)
     if (rt == nullptr || il < 0 || il >= (int32_t) rt->index.size() || rt->index[il] < 0 || n_tokens < 1) {
         return nullptr;
@@ -506,7 +734,39 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
         *staging = true;
         return nullptr;
     }
+    *device = l.device_lookup;
     return &l.g;
+}
+
+ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_context * ctx,
+        ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks) {
+    GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
+    rt_layer & l = rt->layers[rt->index[il]];
+    GGML_ASSERT(l.device_lookup && ids->type == GGML_TYPE_I32 && ids->ne[0] == l.n_used && ids->ne[1] * l.n_used <= l.n_slots);
+    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, l.n_expert, l.n_slots);
+    ggml_format_name(lookup, "moe_cache_lookup-%d", il);
+    ggml_build_forward_expand(gf, lookup);
+    // every fill before the first matmul: the backend fuses the matmuls that follow one another (gate, up, glu)
+    const bool skip_plant = rt->plan->debug_skip_fill > 0 && rt->index[il] == 0;
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        if (l.g.bank[k] == nullptr) {
+            continue;
+        }
+        ggml_tensor * fill = ggml_moe_cache_fill(ctx, l.g.bank[k], lookup, l.host_read[k], l.g.host[k]->nb[expert_dim(k)],
+                l.n_slots);
+        if (skip_plant) {
+            // LLAMA_MOE_CACHE_DEBUG_SKIP_FILL on the device: the first fill of every lookup of the first cached layer
+            // keeps its slot's old bytes (a planted stale slot, for the identity cells to catch)
+            ggml_moe_cache_fill_params p = ggml_moe_cache_fill_params_of((const int32_t *) fill->op_params);
+            p.skip_first = 1;
+            ggml_moe_cache_fill_params_set((int32_t *) fill->op_params, p);
+        }
+        ggml_format_name(fill, "moe_cache_fill_%s-%d", EXP_NAMES[k], il);
+        ggml_build_forward_expand(gf, fill);
+        banks[k] = fill;
+    }
+    routes.push_back({ lookup, ids, il, false, false, true, graph_tokens });
+    return ggml_view_2d(ctx, lookup, ids->ne[0], ids->ne[1], ids->ne[0] * sizeof(int32_t), 0);
 }
 
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
@@ -514,7 +774,7 @@ void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes
     GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->nb[0] == sizeof(int32_t));
     GGML_ASSERT((in_place || ids->ne[0] == rt->layers[rt->index[il]].n_used) && !(in_place && banks));
-    routes.push_back({ at, ids, il, banks, in_place, graph_tokens });
+    routes.push_back({ at, ids, il, banks, in_place, false, graph_tokens });
 }
 
 // reads a routing (computed, its device synchronized) and plans its layer: uploads the misses and the slot map
@@ -529,6 +789,7 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     rt.ids_host.resize(span / sizeof(int32_t) + 1);
     ggml_backend_tensor_get(t, rt.ids_host.data(), 0, span);
 
+    planner_takes(l);
     const bool ok = rt.plan->plan_decode(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride, rt.dplan);
     GGML_ASSERT(ok && "a graph whose experts may not fit the slots reads the banks"); // see graph_layer_for
 
@@ -611,6 +872,7 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
         return;
     }
     l.prompt_graph = rt.n_graphs;
+    planner_takes(l);
     // the planner counts one call per run and tensor; copy_fill counts the calls it makes instead (batched, or one per
     // run and piece)
     llama_moe_cache_stats & st = prompt_stats(rt, l);
@@ -732,6 +994,16 @@ static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, con
     return nullptr;
 }
 
+// the user's callback for a graph whose layers look up on the device: stopping it may leave fills undone
+static bool device_user_callback(ggml_tensor * t, bool ask, void * user_data) {
+    llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
+    const bool go_on = rt.user_cb(t, ask, rt.user_data);
+    if (!ask && !go_on) {
+        rt.device_graph_stopped = true;
+    }
+    return go_on;
+}
+
 static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
     llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
     const llama_moe_cache_route * r = route_at(rt, t);
@@ -755,10 +1027,38 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     }
     llama_moe_cache_settle(rt);
     rt->n_graphs++;
-    bool banks = false;
+    bool banks = false;     // the graph reads or fills banks on the compute streams
+    bool host_plan = false; // ... and plans some layer on the host (the eval callback)
     bool first_in_place = false;
+    // the device lookup's handover: a layer whose newest slot state is on its device is read back before anything
+    // plans it on the host (a prompt's copy callbacks, a host-side plan, the next build's in-place check), unless this
+    // graph looks it up on the device again
+    rt->device_in_graph.assign(rt->layers.size(), false);
+    for (const llama_moe_cache_route & r : routes) {
+        if (r.device) {
+            rt->device_in_graph[rt->index[r.il]] = true;
+        }
+    }
+    read_back_states(*rt, sched, rt->device_in_graph);
     for (const llama_moe_cache_route & r : routes) {
         rt_layer & l = rt->layers[rt->index[r.il]];
+        if (r.device) {
+            // the planner's state where it is newer, ahead of the graph on the stream that computes the lookup; the
+            // host copy stays untouched until the state is read back (after a synchronization)
+            if (l.state_ahead == rt_layer::STATE_HOST_AHEAD) {
+                l.state_host.resize(ggml_nelements(l.state));
+                rt->plan->get_state(r.il, l.state_host.data());
+                ggml_backend_tensor_set_async(l.backend, l.state, l.state_host.data(), 0, ggml_nbytes(l.state));
+                std::fill(std::begin(l.device_counted), std::end(l.device_counted), 0); // the counters start at 0 there
+                const llama_moe_cache_layer & pl = *rt->plan->layer(r.il);
+                l.next_whole_check = l.device_steps + std::max<int64_t>(1, pl.n_free / std::max(1, l.n_used));
+            }
+            l.state_ahead    = rt_layer::STATE_DEVICE_AHEAD;
+            l.in_place_bound = false;
+            l.device_steps++;
+            banks = true;
+            continue;
+        }
         if (r.in_place) {
             // the phase of the graph (a prompt's last layer may compute a single output row)
             rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT);
@@ -770,7 +1070,8 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
                 rt->plan->note_staging(r.il); // one step of the layer on the host weights, counted without its routing
             }
         }
-        banks = banks || r.banks;
+        banks     = banks || r.banks;
+        host_plan = host_plan || r.banks;
     }
     // a layer's first read in place may follow the copy queue's admits that completed it: the computes of the graph
     // that issued them waited for them, but that graph may have stopped early. Once per layer; reads alone follow
@@ -786,11 +1087,20 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         rt->banks_on_queue   = false;
         rt->banks_on_compute = false;
     }
-    if (!banks) {
-        ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
+    rt->banks_on_compute = rt->banks_on_compute || banks;
+    if (!host_plan) {
+        // a graph whose lookups run on the device needs no callback of its own: one graph per token, CUDA graphs
+        // included. The user's, if any, is watched for a stop
+        const bool device = std::any_of(routes.begin(), routes.end(), [](const llama_moe_cache_route & r) { return r.device; });
+        rt->user_cb   = user_cb;
+        rt->user_data = user_data;
+        if (device && user_cb != nullptr) {
+            ggml_backend_sched_set_eval_callback(sched, device_user_callback, rt);
+        } else {
+            ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
+        }
         return;
     }
-    rt->banks_on_compute = true;
     rt->routes    = &routes;
     rt->user_cb   = user_cb;
     rt->user_data = user_data;
@@ -811,10 +1121,11 @@ std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> llama_moe_cache_memor
     return out;
 }
 
-int32_t llama_moe_cache_counters_of(const llama_moe_cache_rt * rt, int32_t il, int32_t phase, llama_moe_cache_counters * out) {
+int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t phase, llama_moe_cache_counters * out) {
     if (rt == nullptr || phase < 0 || phase >= LLAMA_MOE_CACHE_PHASE_COUNT) {
         return rt ? (int32_t) rt->layers.size() : 0;
     }
+    read_back_counters(*rt);
     if (il < 0 || (il < (int32_t) rt->index.size() && rt->index[il] >= 0)) {
         const llama_moe_cache_stats s = rt->plan->get_stats(il, (llama_moe_cache_phase) phase);
         *out = { s.n_ubatches, s.n_hits, s.n_misses, s.n_overflow, s.n_fills, s.n_evictions, s.bytes_uploaded,

@@ -23,6 +23,16 @@
 // as with the experts on the GPU. It stays so for the cache's life; llama_moe_cache_n_in_place tells the graph reuse
 // when a rebuilt graph would read more layers in place.
 //
+// Decode on the device (issue 13): where the layer's device has the lookup ops and reads its host experts in place
+// (page-locked and mapped: ggml_backend_host_device_ptr), a decode graph looks the slots up on the device instead:
+// ggml_moe_cache_lookup on the layer's slot state (a device tensor beside the banks, updated in place) and one
+// ggml_moe_cache_fill per bank, which copies the misses from host memory, all before the layer's matmuls, which read
+// the filled banks at the returned slots. Nothing is read back and no callback splits the graph: a token is one graph
+// (one CUDA graph). The planner and the device hand the slot state over when the path changes: a graph that looks a
+// layer up on the device first uploads the planner's state where it is newer; a graph that does not (a prompt, the
+// host-side plan) first reads the device's back, with the counters of its lookups (one synchronization per switch).
+// Elsewhere, or with LLAMA_MOE_CACHE_DEVICE=0, decode keeps the host-side plan; the context says once why.
+//
 // Knob: llama_moe_default_set_moe_cache_mib (llama-moe.h, --moe-cache-mib) > LLAMA_MOE_CACHE_MIB > 0 (off). The
 // budget is per device; one larger than the device's free memory less 512 MiB is shrunk to it, with a warning.
 #pragma once
@@ -60,13 +70,14 @@ struct llama_moe_cache_graph_layer {
 // a router output of one graph that the cache reads back once the node `at` (the end of the routing, the last node
 // of what CUDA fuses) is computed: the ids, their layer, and whether the layer reads the banks through a plan (else
 // the graph could not promise that its experts fit the slots and the layer takes the staging path, counted as such)
-// or in place (nothing read back: counted when the graph is bound)
+// or in place (nothing read back: counted when the graph is bound), or looked up on the device (at: the lookup)
 struct llama_moe_cache_route {
     ggml_tensor * at;
     ggml_tensor * ids;
     int32_t       il;
     bool          banks;
     bool          in_place;
+    bool          device;
     int64_t       graph_tokens; // the ubatch's tokens (the layer may compute fewer rows): the phase it counts in
 };
 using llama_moe_cache_routes = std::vector<llama_moe_cache_route>;
@@ -89,9 +100,16 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt);
 // stay where --no-op-offload put them). Else they are read through the slot map, for a graph of at most decode_max tokens
 // routed to the layer's number of experts (llama.cpp's warmup, which routes to all of them, reads the host weights);
 // *staging: the layer is cached but the graph is too large for its slots (the staging path), to be counted.
+// *device: the banks are read through a lookup on the device (llama_moe_cache_build_device_lookup), not the slot map.
 const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
         int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
-        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place);
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place,
+        bool * device);
+// build_moe_ffn, for a layer sent to the device, once its routing is expanded: the lookup of ids and the fills of the
+// misses, expanded into gf before anything that reads them; banks[k] (LLAMA_MOE_CACHE_N_TENSORS) become the filled
+// banks the matmuls and bias adds read. Records the layer's route; returns the slot ids ([n_used, n_tokens]).
+ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_context * ctx,
+        ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks);
 // a layer the cache reads (banks, in_place) or counts (staging) records its routing: the eval callback plans a banks
 // route, the bind counts the others
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
@@ -113,8 +131,9 @@ void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched)
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
         ggml_backend_sched_eval_callback user_cb, void * user_data);
 
-// llama_moe_cache_get_counters: the planner's stats of layer il (< 0: all) and phase; returns the cached layers
-int32_t llama_moe_cache_counters_of(const llama_moe_cache_rt * rt, int32_t il, int32_t phase, struct llama_moe_cache_counters * out);
+// llama_moe_cache_get_counters: the stats of layer il (< 0: all) and phase; returns the cached layers. Reads the device
+// lookups' counters back first (a synchronization, where a layer looked up on its device since the last handover)
+int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t phase, struct llama_moe_cache_counters * out);
 
 // llama_context::memory_breakdown: the banks' buffers, counted with the context's memory (they live as long as it)
 std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> llama_moe_cache_memory(const llama_moe_cache_rt * rt);

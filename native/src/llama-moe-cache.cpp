@@ -471,31 +471,78 @@ void llama_moe_cache::clear() {
     }
 }
 
-bool llama_moe_cache::check(std::string & why) const {
+static bool check_layer(const llama_moe_cache_layer & l, std::string & why);
+
+void llama_moe_cache::get_state(int32_t il, int32_t * flat) const {
+    const llama_moe_cache_layer & l = layers[layer_index[il]];
+    const ggml_moe_cache_state st = ggml_moe_cache_state_flat(flat, l.n_expert, l.n_slots);
+    *st.hand   = l.hand;
+    *st.n_free = l.n_free;
+    std::copy(l.slot_of.begin(), l.slot_of.end(), st.slot_of);
+    std::copy(l.expert_of.begin(), l.expert_of.end(), st.expert_of);
+    std::copy(l.ref.begin(), l.ref.end(), st.ref);
+    std::fill(st.counters, st.counters + 2 * GGML_MOE_CACHE_N_COUNTERS, 0);
+}
+
+bool llama_moe_cache::set_state(int32_t il, const int32_t * flat, std::string & why) {
+    MOE_CACHE_ASSERT(il >= 0 && il < (int32_t) layer_index.size() && layer_index[il] >= 0);
+    llama_moe_cache_layer & l = layers[layer_index[il]];
+    const ggml_moe_cache_state st = ggml_moe_cache_state_flat(const_cast<int32_t *>(flat), l.n_expert, l.n_slots);
+    // checked on a copy of the layer, so that a bad state changes nothing
+    llama_moe_cache_layer c = l;
+    c.hand   = *st.hand;
+    c.n_free = *st.n_free;
+    std::copy(st.slot_of, st.slot_of + l.n_expert, c.slot_of.begin());
+    std::copy(st.expert_of, st.expert_of + l.n_slots, c.expert_of.begin());
+    std::copy(st.ref, st.ref + l.n_slots, c.ref.begin());
+    if (!check_layer(c, why)) {
+        return false;
+    }
+    if (c.hand < 0 || c.hand >= l.n_slots) {
+        why = "the CLOCK hand is out of range";
+        return false;
+    }
+    l.hand      = c.hand;
+    l.n_free    = c.n_free;
+    l.slot_of   = c.slot_of;
+    l.expert_of = c.expert_of;
+    l.ref       = c.ref;
+    return true;
+}
+
+// slot_of and expert_of agree, the counts are consistent
+static bool check_layer(const llama_moe_cache_layer & l, std::string & why) {
     char buf[160];
-    for (const llama_moe_cache_layer & l : layers) {
-        int32_t n_free = 0;
-        for (int32_t s = 0; s < l.n_slots; s++) {
-            const int32_t e = l.expert_of[s];
-            if (e < -1 || e >= l.n_expert || (e >= 0 && l.slot_of[e] != s)) {
-                snprintf(buf, sizeof(buf), "layer %d: slot %d holds expert %d, whose slot is %d", l.il, s, e,
-                        e >= 0 && e < l.n_expert ? l.slot_of[e] : -2);
-                why = buf;
-                return false;
-            }
-            n_free += e < 0;
-        }
-        for (int32_t e = 0; e < l.n_expert; e++) {
-            const int32_t s = l.slot_of[e];
-            if (s < -1 || s >= l.n_slots || (s >= 0 && l.expert_of[s] != e)) {
-                snprintf(buf, sizeof(buf), "layer %d: expert %d maps to slot %d, which does not hold it", l.il, e, s);
-                why = buf;
-                return false;
-            }
-        }
-        if (n_free != l.n_free) {
-            snprintf(buf, sizeof(buf), "layer %d: %d free slots counted as %d", l.il, n_free, l.n_free);
+    int32_t n_free = 0;
+    for (int32_t s = 0; s < l.n_slots; s++) {
+        const int32_t e = l.expert_of[s];
+        if (e < -1 || e >= l.n_expert || (e >= 0 && l.slot_of[e] != s)) {
+            snprintf(buf, sizeof(buf), "layer %d: slot %d holds expert %d, whose slot is %d", l.il, s, e,
+                    e >= 0 && e < l.n_expert ? l.slot_of[e] : -2);
             why = buf;
+            return false;
+        }
+        n_free += e < 0;
+    }
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        const int32_t s = l.slot_of[e];
+        if (s < -1 || s >= l.n_slots || (s >= 0 && l.expert_of[s] != e)) {
+            snprintf(buf, sizeof(buf), "layer %d: expert %d maps to slot %d, which does not hold it", l.il, e, s);
+            why = buf;
+            return false;
+        }
+    }
+    if (n_free != l.n_free) {
+        snprintf(buf, sizeof(buf), "layer %d: %d free slots counted as %d", l.il, n_free, l.n_free);
+        why = buf;
+        return false;
+    }
+    return true;
+}
+
+bool llama_moe_cache::check(std::string & why) const {
+    for (const llama_moe_cache_layer & l : layers) {
+        if (!check_layer(l, why)) {
             return false;
         }
     }

@@ -179,6 +179,12 @@ struct llama_moe_cache {
     // synchronization per layer), and its uploads are the scheduler's, not counted here
     void note_staging(int32_t il);
 
+    // the device lookup's handover (llama-moe-cache-rt.h): layer il's slot state in the flat layout of
+    // ggml-moe-cache-lookup.h, its counters zero; and back, once a device looked the layer up (false, nothing changed,
+    // where the state is inconsistent; why names the first violation)
+    void get_state(int32_t il, int32_t * flat) const;
+    bool set_state(int32_t il, const int32_t * flat, std::string & why);
+
     // il < 0: the sum over layers
     llama_moe_cache_stats get_stats(int32_t il, llama_moe_cache_phase phase) const;
     void reset_stats();

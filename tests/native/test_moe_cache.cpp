@@ -876,23 +876,31 @@ static void lookup_handover() {
     const ggml_moe_cache_scratch sc = ggml_moe_cache_scratch_at(scratch.data(), 128, 40);
     std::vector<int32_t> dst;
     llama_moe_cache_decode_plan pa, pb;
+    uint64_t want_hits = 0, want_misses = 0;
     for (int t = 0; t < 600; t++) {
         const int64_t n_tokens = 1 + t % 4;
         const std::vector<int32_t> ids = r.route(n_tokens);
         CHECK(a.plan_decode(0, ids.data(), n_tokens, 8, 8, pa), "overflow at %d", t);
         const bool on_device = t >= 200 && t < 400;
-        if (t == 200) { // hand over: the planner's state to the flat copy
-            std::copy(lb.slot_of.begin(), lb.slot_of.end(), dev.slot_of);
-            std::copy(lb.expert_of.begin(), lb.expert_of.end(), dev.expert_of);
-            std::copy(lb.ref.begin(), lb.ref.end(), dev.ref);
-            *dev.hand = lb.hand; *dev.n_free = lb.n_free;
+        if (t == 200) { // hand over: the planner's state to the flat copy (as the cache uploads it)
+            b.get_state(0, flat.data());
             CHECK(std::find(flat.begin(), flat.end(), -9) == flat.end(), "the flat state has a hole");
         }
-        if (t == 400) { // and back
-            lb.slot_of.assign(dev.slot_of, dev.slot_of + 128);
-            lb.expert_of.assign(dev.expert_of, dev.expert_of + 40);
-            lb.ref.assign(dev.ref, dev.ref + 40);
-            lb.hand = *dev.hand; lb.n_free = *dev.n_free;
+        if (t == 400) { // and back, with the counts of the lookups made on the copy
+            CHECK(ggml_moe_cache_counter_get(dev.counters, GGML_MOE_CACHE_COUNT_LOOKUPS) == 200 &&
+                    ggml_moe_cache_counter_get(dev.counters, GGML_MOE_CACHE_COUNT_HITS) == want_hits &&
+                    ggml_moe_cache_counter_get(dev.counters, GGML_MOE_CACHE_COUNT_MISSES) == want_misses &&
+                    ggml_moe_cache_counter_get(dev.counters, GGML_MOE_CACHE_COUNT_REFUSED) == 0,
+                    "the device counters differ from the plans");
+            // a corrupt copy is refused and changes nothing
+            std::vector<int32_t> bad = flat;
+            const ggml_moe_cache_state bs = ggml_moe_cache_state_flat(bad.data(), 128, 40);
+            *bs.n_free += 1;
+            const llama_moe_cache_layer kept = lb;
+            std::string why;
+            CHECK(!b.set_state(0, bad.data(), why) && lb.slot_of == kept.slot_of && lb.expert_of == kept.expert_of,
+                    "a corrupt state was taken back");
+            CHECK(b.set_state(0, flat.data(), why), "the state was refused: %s", why.c_str());
         }
         if (on_device) {
             const ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(8, n_tokens, 40);
@@ -900,6 +908,8 @@ static void lookup_handover() {
             const int32_t n = ggml_moe_cache_lookup_to_dst(&dev, sc, ids.data(), n_tokens, 8, 8, dst.data(), dst.data() + d.result);
             CHECK(n == (int32_t) pa.fills.size() && dst[d.result] == n && dst[d.n_distinct] == pa.n_distinct,
                     "step %d: %d fills, %zu planned", t, n, pa.fills.size());
+            want_hits   += pa.n_distinct - n;
+            want_misses += n;
             CHECK(std::equal(pa.slot_ids.begin(), pa.slot_ids.end(), dst.begin()) && (int64_t) pa.slot_ids.size() == d.result,
                     "step %d: slot ids differ", t);
             for (int32_t i = 0; i < 40; i++) {

@@ -20,7 +20,7 @@
 
 #include <stdint.h>
 
-#ifdef __CUDACC__
+#if defined(__CUDACC__) || defined(__HIPCC__) || defined(__MUSACC__)
 #define GGML_MOE_CACHE_FN static inline __host__ __device__
 #else
 #define GGML_MOE_CACHE_FN static inline
@@ -38,7 +38,29 @@ struct ggml_moe_cache_state {
     int32_t * ref;
     int32_t * hand;
     int32_t * n_free;
+    int32_t * counters; // [2 * GGML_MOE_CACHE_N_COUNTERS] or NULL: what ggml_moe_cache_lookup_to_dst counts
 };
+
+// what the lookups of a device state count, so that the host learns its hit rate without reading every step back:
+// 64-bit counts kept as two int32 words each (low word first), added to by ggml_moe_cache_lookup_to_dst
+enum ggml_moe_cache_counter {
+    GGML_MOE_CACHE_COUNT_LOOKUPS,   // lookups that planned (result >= 0)
+    GGML_MOE_CACHE_COUNT_HITS,      // distinct experts found resident
+    GGML_MOE_CACHE_COUNT_MISSES,    // ... and filled
+    GGML_MOE_CACHE_COUNT_EVICTIONS, // fills into a slot that held another expert
+    GGML_MOE_CACHE_COUNT_REFUSED,   // lookups that changed nothing (result < 0: overflow, bad id, bad state)
+    GGML_MOE_CACHE_N_COUNTERS,
+};
+
+GGML_MOE_CACHE_FN uint64_t ggml_moe_cache_counter_get(const int32_t * counters, int which) {
+    return (uint64_t) (uint32_t) counters[2 * which] | ((uint64_t) (uint32_t) counters[2 * which + 1] << 32);
+}
+
+GGML_MOE_CACHE_FN void ggml_moe_cache_counter_add(int32_t * counters, int which, uint64_t n) {
+    const uint64_t v = ggml_moe_cache_counter_get(counters, which) + n;
+    counters[2 * which]     = (int32_t) (uint32_t) v;
+    counters[2 * which + 1] = (int32_t) (uint32_t) (v >> 32);
+}
 
 // scratch of a lookup: marks[n_expert + n_slots] all zero on entry (left zero on return), distinct[n_slots]
 struct ggml_moe_cache_scratch {
@@ -64,10 +86,10 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_scratch ggml_moe_cache_scratch_at(void *
 }
 
 // The flat state that the op GGML_OP_MOE_CACHE_LOOKUP (ggml.h) reads and updates in place, one int32 tensor per
-// layer: [hand, n_free, slot_of[n_expert], expert_of[n_slots], ref[n_slots]]. One piece, so that handing a layer's
-// state between the host-side plan and a device is one copy.
+// layer: [hand, n_free, slot_of[n_expert], expert_of[n_slots], ref[n_slots], counters[2 * GGML_MOE_CACHE_N_COUNTERS]].
+// One piece, so that handing a layer's state between the host-side plan and a device is one copy.
 GGML_MOE_CACHE_FN int64_t ggml_moe_cache_state_size(int32_t n_expert, int32_t n_slots) {
-    return 2 + (int64_t) n_expert + 2 * (int64_t) n_slots;
+    return 2 + (int64_t) n_expert + 2 * (int64_t) n_slots + 2 * GGML_MOE_CACHE_N_COUNTERS;
 }
 
 GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t * flat, int32_t n_expert, int32_t n_slots) {
@@ -79,6 +101,7 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t 
     st.slot_of   = flat + 2;
     st.expert_of = flat + 2 + n_expert;
     st.ref       = flat + 2 + n_expert + n_slots;
+    st.counters  = flat + 2 + n_expert + 2 * n_slots;
     return st;
 }
 
@@ -274,7 +297,52 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cac
             tail + d.fill_expert, tail + d.fill_slot, tail + d.evicted, &n_distinct);
     tail[d.result]     = res;
     tail[d.n_distinct] = n_distinct;
+    if (st->counters) {
+        if (res >= 0) {
+            int32_t n_evicted = 0;
+            for (int32_t i = 0; i < res; i++) {
+                n_evicted += tail[d.evicted + i] >= 0;
+            }
+            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_LOOKUPS, 1);
+            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_HITS, (uint64_t) (n_distinct - res));
+            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_MISSES, (uint64_t) res);
+            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_EVICTIONS, (uint64_t) n_evicted);
+        } else {
+            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_REFUSED, 1);
+        }
+    }
     return res;
+}
+
+// GGML_OP_MOE_CACHE_FILL (ggml.h) copies the fills a lookup took from host memory into their slots of one bank. Its op
+// params: where the backend reads expert 0 of the host tensor in place, the bytes between two experts there, the
+// bank's slots, and a debug plant (skip_first: the first fill of every lookup is left out, so its slot keeps stale
+// bytes, which the identity cells must catch). The address is packed into two int32 words, low first.
+struct ggml_moe_cache_fill_params {
+    const void * host;
+    int64_t      host_nb;
+    int32_t      n_slots;
+    int32_t      skip_first;
+};
+
+GGML_MOE_CACHE_FN void ggml_moe_cache_fill_params_set(int32_t * op_params, struct ggml_moe_cache_fill_params p) {
+    const uint64_t a = (uint64_t) (uintptr_t) p.host;
+    const uint64_t n = (uint64_t) p.host_nb;
+    op_params[0] = (int32_t) (uint32_t) a;
+    op_params[1] = (int32_t) (uint32_t) (a >> 32);
+    op_params[2] = (int32_t) (uint32_t) n;
+    op_params[3] = (int32_t) (uint32_t) (n >> 32);
+    op_params[4] = p.n_slots;
+    op_params[5] = p.skip_first;
+}
+
+GGML_MOE_CACHE_FN struct ggml_moe_cache_fill_params ggml_moe_cache_fill_params_of(const int32_t * op_params) {
+    struct ggml_moe_cache_fill_params p;
+    p.host       = (const void *) (uintptr_t) ((uint64_t) (uint32_t) op_params[0] | ((uint64_t) (uint32_t) op_params[1] << 32));
+    p.host_nb    = (int64_t) ((uint64_t) (uint32_t) op_params[2] | ((uint64_t) (uint32_t) op_params[3] << 32));
+    p.n_slots    = op_params[4];
+    p.skip_first = op_params[5];
+    return p;
 }
 
 #ifdef __cplusplus

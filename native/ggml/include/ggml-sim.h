@@ -26,12 +26,15 @@
 //                                  fails, as cudaHostRegister can, so callers take their fallback
 //   GGML_SIM_HOST_MAP_FAIL_NTH=N   fault injection: only the Nth registration of a new range in the process fails
 //                                  (1-based), so a caller with several ranges sees one of them refused
+//   GGML_SIM_HOST_NO_MAPPED=1      fault injection: "ggml_backend_host_device_ptr" returns NULL, as for a device
+//                                  that cannot read page-locked host memory in place
 //   GGML_OP_OFFLOAD_MIN_BATCH=B    the batch size from which ops are offloaded (default 32, as for CUDA)
 //
 // Host map: the registry offers "ggml_backend_host_map" and "ggml_backend_host_unmap" (ggml-host-map.h) as CUDA's
 // does. SIM memory needs no page-locking, so they only count references per base pointer (and fail on request,
 // above), and refuse a range of which a page is not mapped, as cudaHostRegister does; each call writes a host_map / host_unmap line to the op log with the range's "ptr", its "refs" after the
-// call (a register is refs 0 -> 1, an unregister 1 -> 0) and "ok".
+// call (a register is refs 0 -> 1, an unregister 1 -> 0) and "ok". "ggml_backend_host_device_ptr" returns ptr itself
+// inside a registered range or a live SIM host buffer (what CUDA maps), else NULL.
 //
 // Race check: a buffer-level access from the calling thread (ggml_backend_tensor_set/get/memset/copy on SIM
 // memory) that overlaps memory a queued stream operation still writes (or, for a write, still reads) is a

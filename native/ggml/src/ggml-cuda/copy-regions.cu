@@ -17,7 +17,6 @@
 
 #define COPY_REGIONS_PER_LAUNCH 64                 // 64 x 24 bytes of table: well inside the 4 KiB of kernel parameters
 #define COPY_REGIONS_THREADS    256
-#define COPY_REGIONS_UNROLL     4                  // 16-byte words in flight per thread
 #define COPY_REGIONS_MEMCPY_MIN (4u * 1024 * 1024) // bytes from which a device region is a cudaMemcpyAsync of its own
 
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
@@ -38,39 +37,7 @@ static __global__ void k_copy_regions(const copy_region_table table) {
     const size_t size   = table.size[blockIdx.y];
     const size_t first  = (size_t) blockIdx.x * blockDim.x + threadIdx.x;
     const size_t stride = (size_t) gridDim.x * blockDim.x;
-    // bytes up to the first 16-byte boundary, when both ends reach one together, then 16-byte words
-    size_t head = size;
-    if ((((uintptr_t) src ^ (uintptr_t) dst) & 15) == 0) {
-        const size_t to_boundary = (16 - ((uintptr_t) src & 15)) & 15;
-        head = to_boundary < size ? to_boundary : size;
-    }
-    for (size_t i = first; i < head; i += stride) {
-        dst[i] = src[i];
-    }
-    if (head == size) {
-        return;
-    }
-    const int4 * __restrict__ s16 = (const int4 *) (src + head);
-    int4 * __restrict__       d16 = (int4 *) (dst + head);
-    const size_t n16 = (size - head) / 16;
-    for (size_t i = first; i < n16; i += COPY_REGIONS_UNROLL * stride) {
-        int4 v[COPY_REGIONS_UNROLL];
-#pragma unroll
-        for (int u = 0; u < COPY_REGIONS_UNROLL; u++) {
-            if (i + u * stride < n16) {
-                v[u] = s16[i + u * stride];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < COPY_REGIONS_UNROLL; u++) {
-            if (i + u * stride < n16) {
-                d16[i + u * stride] = v[u];
-            }
-        }
-    }
-    for (size_t i = head + n16 * 16 + first; i < size; i += stride) {
-        dst[i] = src[i];
-    }
+    ggml_cuda_copy_bytes(dst, src, size, first, stride);
 }
 
 static void check(cudaError_t err, const char * what) {
@@ -180,7 +147,7 @@ int ggml_cuda_copy_regions_async(cudaStream_t stream, const ggml_backend_copy_re
     size_t largest = 0;
     auto launch = [&]() {
         // enough blocks to keep every SM busy over the table's regions, no more than the largest region fills
-        const size_t per_block  = (size_t) COPY_REGIONS_THREADS * 16 * COPY_REGIONS_UNROLL;
+        const size_t per_block  = (size_t) COPY_REGIONS_THREADS * 16 * COPY_BYTES_UNROLL;
         const size_t for_size   = (largest + per_block - 1) / per_block;
         const size_t for_device = std::max(1, 4 * n_sm / n_table);
         const unsigned blocks   = (unsigned) std::max<size_t>(1, std::min(for_size, for_device));

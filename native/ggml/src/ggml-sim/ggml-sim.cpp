@@ -32,6 +32,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -67,6 +68,7 @@ struct sim_config {
     bool        debug_skip_sync    = false;
     bool        host_map_fail      = false;
     int64_t     host_map_fail_nth  = 0; // 0: none
+    bool        host_no_mapped     = false;
     int64_t     offload_min_batch  = 32;
     std::string oplog_path;
 };
@@ -93,6 +95,7 @@ const sim_config & sim_cfg() {
         c.debug_skip_sync    = env_double("GGML_SIM_DEBUG_SKIP_SYNC", 0) != 0;
         c.host_map_fail      = env_double("GGML_SIM_HOST_MAP_FAIL", 0) != 0;
         c.host_map_fail_nth  = (int64_t) env_double("GGML_SIM_HOST_MAP_FAIL_NTH", 0);
+        c.host_no_mapped     = env_double("GGML_SIM_HOST_NO_MAPPED", 0) != 0;
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
         const char * log = getenv("GGML_SIM_OPLOG");
         c.oplog_path         = log ? log : "";
@@ -502,6 +505,28 @@ struct sim_buffer {
     size_t       size = 0;
 };
 
+// the host memory that kernels may read in place (ggml_backend_host_device_ptr): the live host (pinned-like) buffers
+// and the ranges host_map registered, base -> end, as CUDA maps cudaMallocHost memory and mapped registrations
+struct sim_device_readable {
+    std::mutex                     mutex;
+    std::map<uintptr_t, uintptr_t> ranges;
+};
+
+sim_device_readable & device_readable() {
+    static sim_device_readable * r = new sim_device_readable; // never destroyed: models may be freed during exit
+    return *r;
+}
+
+void device_readable_add(const void * base, size_t size) {
+    std::lock_guard<std::mutex> lock(device_readable().mutex);
+    device_readable().ranges[(uintptr_t) base] = (uintptr_t) base + size;
+}
+
+void device_readable_remove(const void * base) {
+    std::lock_guard<std::mutex> lock(device_readable().mutex);
+    device_readable().ranges.erase((uintptr_t) base);
+}
+
 void * sim_aligned_alloc(size_t size) {
 #ifdef _WIN32
     return _aligned_malloc(size, 4096);
@@ -522,6 +547,9 @@ void sim_aligned_free(void * p) {
 void sim_buffer_free_buffer(ggml_backend_buffer_t buffer) {
     sim_buffer * ctx = (sim_buffer *) buffer->context;
     drain_all_streams();
+    if (!ctx->dev) {
+        device_readable_remove(ctx->data);
+    }
     sim_aligned_free(ctx->data);
     if (ctx->dev) {
         ctx->dev->used -= ctx->size;
@@ -683,6 +711,7 @@ ggml_backend_buffer_t sim_host_buft_alloc_buffer(ggml_backend_buffer_type_t buft
     sim_buffer * ctx = new sim_buffer;
     ctx->data = data;
     ctx->size = size;
+    device_readable_add(data, size);
     return ggml_backend_buffer_init(buft, sim_buffer_interface, ctx, size);
 }
 
@@ -1439,6 +1468,9 @@ bool sim_host_map(void * ptr, size_t size) {
             op.ok    = false;
         } else {
             op.refs = ++m.refs[op.ptr];
+            if (op.refs == 1) {
+                device_readable_add(ptr, size);
+            }
         }
     }
     oplog_write(GGML_SIM_NAME, -1, op, t0, t0, now_ns());
@@ -1461,10 +1493,28 @@ void sim_host_unmap(void * ptr) {
             op.refs = --it->second;
             if (op.refs == 0) {
                 m.refs.erase(it);
+                device_readable_remove(ptr);
             }
         }
     }
     oplog_write(GGML_SIM_NAME, -1, op, t0, t0, now_ns());
+}
+
+// SIM memory is host memory, so a kernel reads host memory at its own address; what is modelled is that only
+// page-locked memory may be read so (cudaMallocHost buffers, mapped registrations), and a device that cannot
+// (GGML_SIM_HOST_NO_MAPPED=1), so callers take their fallback
+void * sim_host_device_ptr(int device, const void * ptr) {
+    if (sim_cfg().host_no_mapped || device < 0 || device >= sim_cfg().n_devices) {
+        return nullptr;
+    }
+    sim_device_readable & r = device_readable();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.ranges.upper_bound((uintptr_t) ptr);
+    if (it == r.ranges.begin()) {
+        return nullptr;
+    }
+    --it;
+    return (uintptr_t) ptr < it->second ? (void *) ptr : nullptr;
 }
 
 void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
@@ -1486,6 +1536,9 @@ void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     }
     if (strcmp(name, GGML_BACKEND_HOST_UNMAP_PROC) == 0) {
         return (void *) (ggml_backend_host_unmap_t) sim_host_unmap;
+    }
+    if (strcmp(name, GGML_BACKEND_HOST_DEVICE_PTR_PROC) == 0) {
+        return (void *) (ggml_backend_host_device_ptr_t) sim_host_device_ptr;
     }
     if (strcmp(name, GGML_BACKEND_COPY_REGIONS_PROC) == 0) {
         return (void *) (ggml_backend_copy_regions_async_t) sim_copy_regions_async;
@@ -1535,6 +1588,9 @@ ggml_backend_reg_t ggml_backend_sim_reg(void) {
             if (cfg.host_map_fail_nth > 0) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_MAP_FAIL_NTH=%lld: registration %lld of a new range fails (fault injection)\n",
                         (long long) cfg.host_map_fail_nth, (long long) cfg.host_map_fail_nth);
+            }
+            if (cfg.host_no_mapped) {
+                GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_NO_MAPPED=1: kernels cannot read host memory in place (fault injection)\n");
             }
             if (cfg.debug_skip_sync) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_DEBUG_SKIP_SYNC=1: synchronize does not wait; results will be wrong (negative control)\n");

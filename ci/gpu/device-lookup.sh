@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 13 on the GPU machine: the expert cache's decode looked up on the device (GGML_OP_MOE_CACHE_LOOKUP and
+# GGML_OP_MOE_CACHE_FILL: no routing read back, one CUDA graph per token). Prepare on the CPU machine as prefetch.sh
+# says; the steps run after `prefetch.sh build` (or in ci/gpu/open-issues.sh):
+#   ops        test-backend-ops of both ops on CUDA0 against the CPU (exact), then the same under compute-sanitizer
+#              memcheck and racecheck
+#   syncs      host synchronizations per decoded token with the cache on the device, with the host-side plan
+#              (LLAMA_MOE_CACHE_DEVICE=0) and with every weight on the GPU (target: device <= all-on-GPU + 1)
+#   tg         tg128, skew 0.5, cache at half the expert bytes against master (target: lower end >= 2.5), paced
+#   tg-skew0   the same on the skew-0 model (reported, no target)
+# The cells (cache.sh identity) take the device path by default now; the moe-cache-host cell keeps the host plan.
+set -uo pipefail
+step=${1:?usage: device-lookup.sh ops|syncs|tg|tg-skew0}
+. "$(dirname "$0")/common.sh"
+CACHE_MIB=${CACHE_MIB:-7800}
+
+case $step in
+ops)
+    wait_builds 300 || exit 1
+    P=$(patched_bin)
+    for op in MOE_CACHE_LOOKUP MOE_CACHE_FILL; do
+        timeout 120 "$P/test-backend-ops" -b CUDA0 -o $op 2>&1 | tee "$OUT/ops-$op.txt" | tail -3
+        for tool in memcheck racecheck; do
+            timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$P/test-backend-ops" -b CUDA0 -o $op \
+                > "$OUT/ops-$op-$tool.txt" 2>&1
+            echo "compute-sanitizer $tool $op: exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests passed" "$OUT/ops-$op-$tool.txt" | tail -2
+        done
+    done
+    ;;
+syncs)
+    wait_builds 300 || exit 1
+    timeout 400 python3 - "$MODEL" <<'PY' 2>&1 | tee "$OUT/device-syncs.txt"
+import pathlib, sys
+from pyllama_moe import packs, runner
+from pyllama_moe.build import resolve
+archive = pathlib.Path(".work/archives/llama.cpp-patched.tar.gz")
+build, src = resolve("patched", "cuda", archive=archive), packs.archive_source(archive, "patched")
+tokens = [(i * 7919) % 4000 + 16 for i in range(600)]
+print("| run | tokens | host syncs / token | splits / token |")
+print("|---|---:|---:|---:|")
+texts = {}
+for name, cpu_moe, env in (("cache on the device", True, {"LLAMA_MOE_CACHE_MIB": "7800"}),
+                           ("cache, host-side plan", True, {"LLAMA_MOE_CACHE_MIB": "7800", "LLAMA_MOE_CACHE_DEVICE": "0"}),
+                           ("all on the GPU", False, {})):
+    spec = runner.RunSpec(model=pathlib.Path(sys.argv[1]), tokens=tokens, n_ubatch=512, cpu_moe=cpu_moe, generate=64,
+                          want_logits=False, stats=True, env=env)
+    res = runner.run(build, src, spec)
+    gen = res.stats["generate"]
+    n = max(gen["n_graph_computes"], 1)
+    texts[name] = res.generated
+    print(f"| {name} | {gen['n_graph_computes']} | {gen['n_host_syncs'] / n:.2f} | {gen['n_splits'] / n:.2f} |")
+print("greedy tokens identical:", len(set(map(tuple, texts.values()))) == 1)
+PY
+    ;;
+tg|tg-skew0)
+    wait_builds 60 || exit 1
+    if [ "$step" = tg ]; then
+        M=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
+        [ -f "$M" ] || python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$M" --quiet
+    else
+        M=$MODEL
+    fi
+    BENCH_MODEL=$M bench 420 --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds 300 \
+        --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --json "$OUT/device-$step.json" \
+        -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/device-$step.txt"
+    ;;
+*)
+    echo "unknown step $step: use ops|syncs|tg|tg-skew0"; exit 2
+    ;;
+esac
+echo "step $step: $((SECONDS - T0)) s"

@@ -1,0 +1,49 @@
+// moe-cache-fill.cu: the expert cache's fills of a decode step, read from page-locked host memory in place, pyllama_moe.
+//
+// The lookup before it (moe-cache-lookup.cu) left the misses in its dst on the device; the host never learns how
+// many there are, so one launch of a fixed shape covers the most a lookup can take (one row of blocks per possible
+// fill) and the rows past the lookup's count return at once. A CUDA graph captures it like any kernel. The bytes
+// cross PCIe as the loads of many threads (ggml_cuda_copy_bytes of copy-regions.cuh, as the batched device copies
+// move theirs); an expert is ~1 MiB, so the rows of one fill share it out in chunks.
+#include "moe-cache-fill.cuh"
+
+#include "copy-regions.cuh"
+#include "ggml-moe-cache-lookup.h"
+
+#define CUDA_MOE_CACHE_FILL_BLOCK_SIZE 256
+#define CUDA_MOE_CACHE_FILL_CHUNK      (64 * 1024) // bytes of an expert per block, about
+
+static __global__ void moe_cache_fill_kernel(const char * __restrict__ host, const int64_t host_nb,
+        char * __restrict__ bank, const int64_t slot_nb, const int64_t nbytes, const int32_t * __restrict__ tail,
+        const int32_t n_slots, const int32_t skip_first) {
+    const ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(0, 0, n_slots); // offsets from result
+    const int32_t n_fills = tail[d.result];
+    const int32_t i       = blockIdx.y;
+    if (i >= n_fills || (i == 0 && skip_first)) {
+        return; // also an overflow or a bad input (negative): nothing was taken
+    }
+    const char * __restrict__ src = host + (int64_t) tail[d.fill_expert + i] * host_nb;
+    char * __restrict__       out = bank + (int64_t) tail[d.fill_slot + i] * slot_nb;
+
+    ggml_cuda_copy_bytes(out, src, (size_t) nbytes, (size_t) blockIdx.x * blockDim.x + threadIdx.x,
+            (size_t) gridDim.x * blockDim.x);
+}
+
+void ggml_cuda_op_moe_cache_fill(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * lookup = dst->src[0];
+    const ggml_moe_cache_fill_params p = ggml_moe_cache_fill_params_of((const int32_t *) dst->op_params);
+
+    const int64_t nbytes  = (int64_t) (ggml_nbytes(dst) / p.n_slots); // one slot of the bank
+    const int64_t n_ids   = ggml_nelements(lookup) - ggml_moe_cache_lookup_dst_size(0, 0, p.n_slots);
+    GGML_ASSERT(n_ids >= 1 && ggml_is_contiguous(dst) && ggml_is_contiguous(lookup));
+
+    // a lookup takes at most a fill per distinct expert: per routed id, and per slot
+    const int64_t max_fills = std::min<int64_t>(n_ids, p.n_slots);
+    const int64_t n_chunks  = std::max<int64_t>(1, std::min<int64_t>(64, nbytes / CUDA_MOE_CACHE_FILL_CHUNK));
+    GGML_ASSERT(max_fills <= 65535);
+
+    const dim3 grid((unsigned) n_chunks, (unsigned) max_fills, 1);
+    moe_cache_fill_kernel<<<grid, CUDA_MOE_CACHE_FILL_BLOCK_SIZE, 0, ctx.stream()>>>((const char *) p.host, p.host_nb,
+            (char *) dst->data, nbytes, nbytes, (const int32_t *) lookup->data + n_ids, p.n_slots, p.skip_first);
+    CUDA_CHECK(cudaGetLastError());
+}

@@ -1,0 +1,109 @@
+"""The expert cache's decode on the device (issue 13), on SIM: the lookup and the fills of the misses run as graph ops
+(GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL), with no routing read back, and compute what the host-side plan
+and the host weights compute; the slot state goes back and forth between the planner and the device; where the
+device cannot read the host experts in place decode keeps the host-side plan and the context says why."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pyllama_moe import models, runner
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
+
+SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50"}
+TOKENS = [(i * 7919) % 4000 + 16 for i in range(40)]
+N_GEN = 48
+ON_DEVICE = "expert cache on SIM0: decode looks up its slots and fills its misses on the device"
+SUMMARY = re.compile(r"expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+def _run(build, src, model, env, cpu_moe=True, load_mode="none", tokens=TOKENS, generate=N_GEN):
+    spec = runner.RunSpec(model=model, tokens=tokens, cpu_moe=cpu_moe, load_mode=load_mode, repack=False, threads=2,
+                          generate=generate, stats=True, env={**SIM_ENV, **env})
+    return runner.run(build, src, spec)
+
+
+@pytest.fixture(scope="module")
+def reference(patched_build, src, model):
+    return _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "0"})
+
+
+@pytest.fixture(scope="module")
+def host_plan(patched_build, src, model):
+    return _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2", "LLAMA_MOE_CACHE_DEVICE": "0"})
+
+
+@pytest.mark.parametrize("load_mode", ["none", "mmap"])
+def test_decode_on_the_device_computes_what_the_host_plan_does(patched_build, src, model, reference, host_plan, load_mode):
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2"}, load_mode=load_mode)
+    assert ON_DEVICE in got.log
+    assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+    assert got.logits_sha256 == reference.logits_sha256
+    dev, host = got.stats["generate"]["cache_decode"], host_plan.stats["generate"]["cache_decode"]
+    # the same lookup on the same routing: the device's counters, read back at the end, are the host plan's; the
+    # device moves its fills in the graph, so it makes no copy calls
+    for key in ("n_ubatches", "n_hits", "n_misses", "n_fills", "n_evictions", "bytes_uploaded"):
+        assert dev[key] == host[key], key
+    assert dev["n_misses"] > 0 and dev["n_evictions"] > 0 and dev["n_ubatches"] >= 4 * (N_GEN - 1)
+    assert dev["n_copy_calls"] == 0 and host["n_copy_calls"] > 0
+    steps, hits, misses = map(int, SUMMARY.search(got.log).groups())
+    assert (steps, hits, misses) == (dev["n_ubatches"], dev["n_hits"], dev["n_misses"])
+
+
+def test_no_host_round_trip_per_layer(patched_build, src, model, reference, host_plan):
+    # host synchronizations per decoded token: the host plan waits in every cached layer (4); the device lookup no
+    # more than all on the device plus one
+    on_device = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2"})
+    all_on_device = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "0"}, cpu_moe=False)
+
+    def per_token(res):
+        gen = res.stats["generate"]
+        return gen["n_host_syncs"] / max(gen["n_graph_computes"], 1)
+
+    assert per_token(on_device) <= per_token(all_on_device) + 1
+    assert per_token(host_plan) >= per_token(all_on_device) + 4
+    assert on_device.generated == all_on_device.generated
+
+
+def test_the_state_goes_back_and_forth_between_prompts_and_decode(patched_build, src, model):
+    # prompt, decode, a second prompt on the same context (the memory cleared), decode again: the second prompt's
+    # staging reads the state the device left (read back first), the second decode uploads what the prompt made of it
+    env = {"LLAMA_MOE_CACHE_MIB": "2", "GGML_SCHED_PREFETCH": "2"}
+    tokens = [(i * 131) % 4000 + 16 for i in range(300)]
+    spec = dict(model=model, tokens=tokens, cpu_moe=True, load_mode="none", repack=False, threads=2, generate=16,
+                stats=True, n_ubatch=128, warm_tokens=[(i * 37) % 4000 + 16 for i in range(24)])
+    got = runner.run(patched_build, src, runner.RunSpec(**spec, env={**SIM_ENV, **env}))
+    want = runner.run(patched_build, src, runner.RunSpec(**spec, env={**SIM_ENV, "LLAMA_MOE_CACHE_MIB": "0",
+                                                                         "GGML_SCHED_PREFETCH": "2"}))
+    assert ON_DEVICE in got.log and "ggml_sim: race" not in got.log
+    assert got.generated == want.generated and got.decode_logits_sha256 == want.decode_logits_sha256
+    assert got.logits_sha256 == want.logits_sha256
+    prompts = got.stats["generate"]["cache_prompt"]
+    assert prompts["n_hits"] > 0  # the prompt read experts the warm-up decode made resident on the device
+
+
+@pytest.mark.parametrize("env, why", [
+    ({"LLAMA_MOE_CACHE_DEVICE": "0"}, "LLAMA_MOE_CACHE_DEVICE=0"),
+    ({"GGML_SIM_HOST_NO_MAPPED": "1"}, "its host experts are not page-locked where the device can read them"),
+])
+def test_where_the_device_cannot_look_up_decode_plans_on_the_host_and_says_why(patched_build, src, model, reference,
+                                                                                 env, why):
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2", **env})
+    assert ON_DEVICE not in got.log
+    assert f"decode plans 4 of 4 layers on the host (a synchronization per layer): {why}" in got.log
+    assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+    assert got.stats["generate"]["cache_decode"]["n_copy_calls"] > 0
+
+
+def test_a_stale_slot_on_the_device_changes_the_decode(patched_build, src, model, reference):
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2", "LLAMA_MOE_CACHE_DEBUG_SKIP_FILL": "1"})
+    assert ON_DEVICE in got.log
+    assert got.logits_sha256 == reference.logits_sha256  # the prompt's 40 rows take the host path
+    assert got.decode_logits_sha256 != reference.decode_logits_sha256
