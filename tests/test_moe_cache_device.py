@@ -107,3 +107,19 @@ def test_a_stale_slot_on_the_device_changes_the_decode(patched_build, src, model
     assert ON_DEVICE in got.log
     assert got.logits_sha256 == reference.logits_sha256  # the prompt's 40 rows take the host path
     assert got.decode_logits_sha256 != reference.decode_logits_sha256
+
+
+def test_a_batch_of_several_tokens_looks_up_on_the_device_too(patched_build, src, model):
+    # a 3-token prompt is a decode-size graph (<= LLAMA_MOE_CACHE_DECODE_MAX): at 5 MiB (12-13 of 16 slots) its 12
+    # routed ids fit every layer's slots, so all its layers look up on the device, 3 tokens at a time (what parallel
+    # sequences and drafts send), and its logits are the reference's
+    tokens = [100, 200, 300]
+    ref = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "0"}, tokens=tokens, generate=8)
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "5"}, tokens=tokens, generate=8)
+    assert ON_DEVICE in got.log and "12-13 of 16 expert slots" in got.log
+    assert got.logits_sha256 == ref.logits_sha256
+    assert got.generated == ref.generated and got.decode_logits_sha256 == ref.decode_logits_sha256
+    decode = got.stats["generate"]["cache_decode"]
+    assert decode["n_overflow"] == 0 and decode["n_copy_calls"] == 0 and decode["n_misses"] > 0
+    # the prompt's step (up to 12 distinct experts a layer) and the 7 single-token steps after it
+    assert decode["n_ubatches"] == 4 * 8 and decode["n_hits"] + decode["n_misses"] > 4 * 4 * 8
