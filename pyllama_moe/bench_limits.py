@@ -3,6 +3,10 @@
 - `--limit-row n_cpu_moe=0`: each row's limit is the row of the same run whose settings are equal except
   that field (here: every weight on the GPU). The share is computed per invocation (row and limit come from
   the same llama-bench process, so they share its placement) and gets an interval like a ratio does.
+- `--limit-from baseline`: the candidate's rows against the baseline's limit row instead of its own, paired by round
+  (one process each, alternated as the ratios are): e.g. the patched build's cache at `-ncmoe 48` against master's
+  static `-ncmoe 24`, the same bytes on the GPU placed by layer, with `--limit-row n_cpu_moe=24`. The baseline's
+  share stays its own.
 - `--pcie-bound`: a prompt row whose host weights are uploaded for every ubatch cannot beat
   n_prompt / (ubatches * host bytes / pinned host-to-device bandwidth). The bandwidth is measured in the same
   run by `llama-moe-copy-probe` (built with patched builds), the host bytes are read from the GGUF's tensor
@@ -60,17 +64,25 @@ def find_limit(rows: list[BenchRow], row: BenchRow, field: str, value: str) -> B
     return None
 
 
-def limit_shares(result: BenchResult, field: str, value: str) -> dict[str, dict]:
-    """Per row label: {"limit": {...}} with each build's share of its own limit row, as an interval."""
+LIMIT_FROM = ("own", "baseline")
+
+
+def limit_shares(result: BenchResult, field: str, value: str, limit_from: str = "own") -> dict[str, dict]:
+    """Per row label: {"limit": {...}} with each build's share of its own limit row, as an interval; with
+    limit_from "baseline" the candidate's share is of the baseline's limit row (paired by round)."""
+    if limit_from not in LIMIT_FROM:
+        raise UserError(f"--limit-from {limit_from!r} is not one of {', '.join(LIMIT_FROM)}",
+                        "use own (each build against its own row) or baseline")
     rows = list(result.rows.values())
     out = {}
     for row in rows:
         limit = find_limit(rows, row, field, value)
         if limit is None:
             continue
-        entry: dict = {"row": limit.label}
+        entry: dict = {"row": limit.label, "limit_from": limit_from}
         for side in SIDES:
-            mine, theirs = row.block_means(side), limit.block_means(side)
+            limit_side = "baseline" if limit_from == "baseline" else side
+            mine, theirs = row.block_means(side), limit.block_means(limit_side)
             iv = stats.paired_ratio_interval([(theirs[r], mine[r]) for r in sorted(mine) if r in theirs])
             entry[f"share_{side}"] = iv.ratio if iv else None
             entry[f"share_{side}_low"] = iv.low if iv else None
@@ -182,7 +194,8 @@ def limit_columns(limits: dict[str, dict], pcie: dict[str, dict], names: dict[st
             continue
         span = (f" [{lim['share_low']:.3f}, {lim['share_high']:.3f}]" if lim.get("share_low") is not None else "")
         base = f"; {names['baseline']} {lim['share_baseline']:.3f}" if lim.get("share_baseline") else ""
-        cells.setdefault(label, {})["share of limit"] = f"{lim['share_candidate']:.3f}{span}{base}"
+        column = "share of the baseline's limit" if lim.get("limit_from") == "baseline" else "share of limit"
+        cells.setdefault(label, {})[column] = f"{lim['share_candidate']:.3f}{span}{base}"
     for label, data in pcie.items():
         share = data.get("pcie_share_candidate")
         cells.setdefault(label, {})["PCIe bound t/s"] = f"{data['pcie_bound_ts']:.0f}"

@@ -134,12 +134,13 @@ def run_bench(args, model: Path) -> str:
             "baseline_name": names["baseline"], "candidate_name": names["candidate"], "args": bench_args,
             "reps": args.reps, "discard": args.discard, "rounds_min": args.rounds, "warmup_rounds": args.warmup_rounds,
             "target_ci": args.target_ci,
-            "max_seconds": args.max_seconds, "env": plan.env, "limit_row": args.limit_row, "paced": args.paced,
+            "max_seconds": args.max_seconds, "env": plan.env, "limit_row": args.limit_row,
+            "limit_from": args.limit_from if args.limit_row else None, "paced": args.paced,
             "paced_chunk": args.paced_chunk if args.paced else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def extras(result) -> tuple[dict, dict]:
-        limits = bench_limits.limit_shares(result, *limit) if limit else {}
+        limits = bench_limits.limit_shares(result, *limit, limit_from=args.limit_from) if limit else {}
         pcie = bench_limits.pcie_columns(result, model, probes) if probes else {}
         rows = {label: {**limits.get(label, {}), **pcie.get(label, {})} for label in {*limits, *pcie}}
         return rows, bench_limits.limit_columns(limits, pcie, names)
@@ -208,6 +209,7 @@ def cmd_demo(args) -> int:
     model = models.ensure_model("qwen3moe", matrix.models["qwen3moe"])
     args.bench_args, args.rounds, args.reps, args.discard, args.warmup_rounds = None, 2, 3, 1, 0
     args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = None
+    args.limit_from = "own"
     args.pcie_bound = args.paced = args.pin_threads = False
     args.paced_chunk = 0
     print("\nA/B llama-bench on the CPU (ratios only; absolute numbers mean something on the GPU machine):")
@@ -285,6 +287,10 @@ def register(sub) -> None:
                         "(default 16; 0: whole repetitions alternate)")
     p.add_argument("--limit-row", metavar="FIELD=VALUE",
                    help="show each row's share of the row that differs only in FIELD (e.g. n_cpu_moe=0: all on the GPU)")
+    # bench_limits.LIMIT_FROM (not imported here: the CLI starts without the benchmark modules)
+    p.add_argument("--limit-from", choices=("own", "baseline"), default="own",
+                   help="with --limit-row, whose limit row the candidate's rows are measured against: its own (default) "
+                        "or the baseline's (e.g. the patched cache at -ncmoe 48 against master's static -ncmoe 24)")
     p.add_argument("--pcie-bound", action="store_true",
                    help="show prompt rows' share of the PCIe bound (host bytes per ubatch / pinned bandwidth, probed)")
     p.add_argument("--baseline-env", action="append", metavar="NAME=VALUE", help="environment for the baseline only")

@@ -213,7 +213,24 @@ def test_limit_row_shares(tmp_path):
     assert lim["share_candidate"] == pytest.approx(0.25) and lim["share_baseline"] == pytest.approx(0.125)
     assert not any(label.startswith("pp") for label in shares)  # no pp row with ncmoe 0 in this run
     with pytest.raises(UserError):
+        bench_limits.limit_shares(result, field, value, limit_from="theirs")
+    with pytest.raises(UserError):
         bench_limits.parse_limit_row("nonsense=1")
+
+
+def test_limit_row_of_the_baseline(tmp_path):
+    # the candidate's limit row is slower than the baseline's (e.g. its -ncmoe 24 row has the cache too): against its
+    # own row the candidate's tg row is at 0.5, against the baseline's at 0.25, round by round
+    base = _fake_build(tmp_path, "a", [{"pp": 1000.0, "tg": 40.0, "tg0": 320.0}, {"pp": 1000.0, "tg": 44.0, "tg0": 352.0}])
+    cand = _fake_build(tmp_path, "b", [{"pp": 1000.0, "tg": 80.0, "tg0": 160.0}, {"pp": 1000.0, "tg": 88.0, "tg0": 176.0}])
+    result = bench.ab_bench({"baseline": base, "candidate": cand}, _plan(tmp_path, rounds=2, reps=2))
+    field, value = bench_limits.parse_limit_row("ncmoe=0")
+    tg = next(row.label for row in result.rows.values() if row.label.startswith("tg128") and "ncmoe0" not in row.label)
+    own = bench_limits.limit_shares(result, field, value)[tg]["limit"]
+    cross = bench_limits.limit_shares(result, field, value, limit_from="baseline")[tg]["limit"]
+    assert own["share_candidate"] == pytest.approx(0.5) and cross["share_candidate"] == pytest.approx(0.25)
+    assert cross["limit_from"] == "baseline" and cross["share_baseline"] == own["share_baseline"] == pytest.approx(0.125)
+    assert cross["share_low"] <= 0.25 <= cross["share_high"]
 
 
 def test_pcie_bound_arithmetic():

@@ -6,7 +6,8 @@
 #              memcheck and racecheck
 #   syncs      host synchronizations per decoded token with the cache on the device, with the host-side plan
 #              (LLAMA_MOE_CACHE_DEVICE=0) and with every weight on the GPU (target: device <= all-on-GPU + 1)
-#   tg         tg128, skew 0.5, cache at half the expert bytes against master (target: lower end >= 2.5), paced
+#   tg         tg128, skew 0.5, cache at half the expert bytes against master, paced (target: lower end >= 2.5); then
+#              both load modes with master's static -ncmoe 24 rows in the same rounds (--limit-from baseline: faster)
 #   tg-skew0   the same on the skew-0 model (reported, no target)
 # The cells (cache.sh identity) take the device path by default now; the moe-cache-host cell keeps the host plan.
 set -uo pipefail
@@ -60,9 +61,18 @@ tg|tg-skew0)
     else
         M=$MODEL
     fi
-    BENCH_MODEL=$M bench 420 --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds 300 \
+    # against master, paced (both builds loaded, repetitions alternating: decode rows drift between processes)
+    BENCH_MODEL=$M bench 360 --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds 300 \
         --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --json "$OUT/device-$step.json" \
-        -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/device-$step.txt"
+        -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/device-$step.txt"
+    if [ "$step" = tg ]; then
+        # both load modes, and the cache's -ncmoe 48 rows against master's static -ncmoe 24 (the same bytes on the GPU
+        # placed by layer) in the same rounds (--limit-from baseline; a paced run measures one test only)
+        BENCH_MODEL=$M bench 480 --pin-threads --warmup-rounds 1 --reps 3 --discard 1 --rounds 6 --max-seconds 420 \
+            --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --limit-row n_cpu_moe=24 --limit-from baseline \
+            --json "$OUT/device-tg-static.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,24 -lm none,mmap 2>&1 \
+            | tee "$OUT/device-tg-static.txt"
+    fi
     ;;
 *)
     echo "unknown step $step: use ops|syncs|tg|tg-skew0"; exit 2
