@@ -523,8 +523,21 @@ static void planner_takes(rt_layer & l) {
     l.state_ahead = rt_layer::STATE_HOST_AHEAD;
 }
 
-// the device's slot state of the layers that looked up on it since their last handover, into the planner (with the
-// counters of their lookups); waits for the scheduler's work first, once, where there is any
+// waits for the work queued on the cache's devices: the scheduler's, or each backend of a layer once
+static void synchronize_backends(const llama_moe_cache_rt & rt, ggml_backend_sched_t sched) {
+    if (sched != nullptr) {
+        ggml_backend_sched_synchronize(sched);
+        return;
+    }
+    std::vector<ggml_backend_t> done;
+    for (const rt_layer & l : rt.layers) {
+        if (std::find(done.begin(), done.end(), l.backend) == done.end()) {
+            ggml_backend_synchronize(l.backend);
+            done.push_back(l.backend);
+        }
+    }
+}
+
 // the lookups of layer i counted on its device since the last read, into the planner's decode stats; each fill
 // uploaded one expert of every tensor
 static void add_device_counters(llama_moe_cache_rt & rt, size_t i, const int32_t * counters) {
@@ -553,6 +566,8 @@ static void add_device_counters(llama_moe_cache_rt & rt, size_t i, const int32_t
     st.bytes_uploaded += n[GGML_MOE_CACHE_COUNT_MISSES] * layer_expert_bytes(l);
 }
 
+// the device's slot state of the layers that looked up on it since their last handover, into the planner (with the
+// counters of their lookups); waits for the scheduler's work first, once, where there is any.
 // keep_on_device: layers to leave there (empty: none); whole_check: only the layers with a slot per expert that are
 // not whole yet as far as the planner knows and whose next check is due (see llama_moe_cache_settle)
 static void read_back_states(llama_moe_cache_rt & rt, ggml_backend_sched_t sched, const std::vector<bool> & keep_on_device,
@@ -567,23 +582,18 @@ static void read_back_states(llama_moe_cache_rt & rt, ggml_backend_sched_t sched
             continue;
         }
         if (!synced) {
-            if (sched != nullptr) {
-                ggml_backend_sched_synchronize(sched);
-            } else {
-                for (rt_layer & o : rt.layers) {
-                    ggml_backend_synchronize(o.backend);
-                }
-            }
+            synchronize_backends(rt, sched);
             synced = true;
         }
         l.state_host.resize(ggml_nelements(l.state));
         ggml_backend_tensor_get(l.state, l.state_host.data(), 0, ggml_nbytes(l.state));
         std::string why;
-        if (!rt.plan->set_state(l.il, l.state_host.data(), why) && rt.freeing) {
+        const bool consistent = rt.plan->set_state(l.il, l.state_host.data(), why);
+        if (!consistent && rt.freeing) {
             // in a destructor: say so and keep the planner's state (nothing reads the banks any more)
             LLAMA_LOG_ERROR("llama_moe: the expert cache's slot state of layer %d on %s is inconsistent: %s\n", l.il,
                     ggml_backend_dev_name(l.dev), why.c_str());
-        } else if (!why.empty()) {
+        } else if (!consistent) {
             GGML_ABORT("llama_moe: the expert cache's slot state of layer %d on %s is inconsistent: %s", l.il,
                     ggml_backend_dev_name(l.dev), why.c_str());
         }
@@ -594,15 +604,19 @@ static void read_back_states(llama_moe_cache_rt & rt, ggml_backend_sched_t sched
 }
 
 // the device lookups' counters alone, for the stats: the slot state stays where it is (a caller may ask while a graph
-// is queued, or from its eval callback), so nothing is handed over; waits for each such layer's device
+// is queued, or from its eval callback), so nothing is handed over; waits for the devices once, where there is any
 static void read_back_counters(llama_moe_cache_rt & rt) {
     std::vector<int32_t> counters(2 * GGML_MOE_CACHE_N_COUNTERS);
+    bool synced = false;
     for (size_t i = 0; i < rt.layers.size(); i++) {
         rt_layer & l = rt.layers[i];
         if (l.state_ahead != rt_layer::STATE_DEVICE_AHEAD) {
             continue;
         }
-        ggml_backend_synchronize(l.backend);
+        if (!synced) {
+            synchronize_backends(rt, nullptr);
+            synced = true;
+        }
         const size_t offset = (size_t) (ggml_nelements(l.state) - 2 * GGML_MOE_CACHE_N_COUNTERS) * sizeof(int32_t);
         ggml_backend_tensor_get(l.state, counters.data(), offset, counters.size() * sizeof(int32_t));
         add_device_counters(rt, i, counters.data());
@@ -668,9 +682,7 @@ void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
         // which fills ran is not known: forget every resident, and upload that empty state before the next lookup
         LLAMA_LOG_WARN("llama_moe: an eval callback stopped a graph whose expert cache lookups run on the device: the cache "
                 "starts empty again\n");
-        for (rt_layer & l : rt->layers) {
-            ggml_backend_synchronize(l.backend);
-        }
+        synchronize_backends(*rt, nullptr);
         read_back_counters(*rt);
         rt->plan->clear();
         for (rt_layer & l : rt->layers) {
@@ -1034,9 +1046,11 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     // plans it on the host (a prompt's copy callbacks, a host-side plan, the next build's in-place check), unless this
     // graph looks it up on the device again
     rt->device_in_graph.assign(rt->layers.size(), false);
+    bool device = false; // some layer looks up on the device
     for (const llama_moe_cache_route & r : routes) {
         if (r.device) {
             rt->device_in_graph[rt->index[r.il]] = true;
+            device = true;
         }
     }
     read_back_states(*rt, sched, rt->device_in_graph);
@@ -1088,23 +1102,18 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         rt->banks_on_compute = false;
     }
     rt->banks_on_compute = rt->banks_on_compute || banks;
-    if (!host_plan) {
-        // a graph whose lookups run on the device needs no callback of its own: one graph per token, CUDA graphs
-        // included. The user's, if any, is watched for a stop
-        const bool device = std::any_of(routes.begin(), routes.end(), [](const llama_moe_cache_route & r) { return r.device; });
-        rt->user_cb   = user_cb;
-        rt->user_data = user_data;
-        if (device && user_cb != nullptr) {
-            ggml_backend_sched_set_eval_callback(sched, device_user_callback, rt);
-        } else {
-            ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
-        }
-        return;
-    }
-    rt->routes    = &routes;
     rt->user_cb   = user_cb;
     rt->user_data = user_data;
-    ggml_backend_sched_set_eval_callback(sched, eval_callback, rt);
+    if (host_plan) {
+        rt->routes = &routes;
+        ggml_backend_sched_set_eval_callback(sched, eval_callback, rt);
+    } else if (device && user_cb != nullptr) {
+        // a graph whose lookups run on the device needs no callback of its own (one graph per token, CUDA graphs
+        // included); the user's is watched for a stop
+        ggml_backend_sched_set_eval_callback(sched, device_user_callback, rt);
+    } else {
+        ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
+    }
 }
 
 int64_t llama_moe_cache_budget_mib(const llama_moe_cache_rt * rt) {

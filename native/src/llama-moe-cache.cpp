@@ -7,6 +7,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 
 // no GGML_ASSERT: the module must build without ggml, for its standalone test
 #define MOE_CACHE_ASSERT(x)                                                                   \
@@ -175,7 +176,7 @@ static bool assign(llama_moe_cache & c, llama_moe_cache_layer & l, int32_t e, in
 
 // the layer's slot state as the lookup of ggml-moe-cache-lookup.h reads and writes it
 static ggml_moe_cache_state state_of(llama_moe_cache_layer & l) {
-    return { l.n_expert, l.n_slots, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free };
+    return { l.n_expert, l.n_slots, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free, nullptr };
 }
 
 // expert e's own slot when it is free, else the lowest free slot (ggml_moe_cache_free_slot); only while n_free > 0.
@@ -488,13 +489,16 @@ bool llama_moe_cache::set_state(int32_t il, const int32_t * flat, std::string & 
     MOE_CACHE_ASSERT(il >= 0 && il < (int32_t) layer_index.size() && layer_index[il] >= 0);
     llama_moe_cache_layer & l = layers[layer_index[il]];
     const ggml_moe_cache_state st = ggml_moe_cache_state_flat(const_cast<int32_t *>(flat), l.n_expert, l.n_slots);
-    // checked on a copy of the layer, so that a bad state changes nothing
-    llama_moe_cache_layer c = l;
-    c.hand   = *st.hand;
-    c.n_free = *st.n_free;
-    std::copy(st.slot_of, st.slot_of + l.n_expert, c.slot_of.begin());
-    std::copy(st.expert_of, st.expert_of + l.n_slots, c.expert_of.begin());
-    std::copy(st.ref, st.ref + l.n_slots, c.ref.begin());
+    // checked on a layer of the state alone, so that a bad state changes nothing
+    llama_moe_cache_layer c = {};
+    c.il       = l.il;
+    c.n_expert = l.n_expert;
+    c.n_slots  = l.n_slots;
+    c.hand     = *st.hand;
+    c.n_free   = *st.n_free;
+    c.slot_of.assign(st.slot_of, st.slot_of + l.n_expert);
+    c.expert_of.assign(st.expert_of, st.expert_of + l.n_slots);
+    c.ref.assign(st.ref, st.ref + l.n_slots);
     if (!check_layer(c, why)) {
         return false;
     }
@@ -504,9 +508,9 @@ bool llama_moe_cache::set_state(int32_t il, const int32_t * flat, std::string & 
     }
     l.hand      = c.hand;
     l.n_free    = c.n_free;
-    l.slot_of   = c.slot_of;
-    l.expert_of = c.expert_of;
-    l.ref       = c.ref;
+    l.slot_of   = std::move(c.slot_of);
+    l.expert_of = std::move(c.expert_of);
+    l.ref       = std::move(c.ref);
     return true;
 }
 

@@ -936,7 +936,7 @@ static void lookup_handover() {
     std::vector<uint8_t> marks(128 + 40, 0);
     std::vector<int32_t> distinct(40), fe(40), fs(40), fo(40), slot_ids;
     auto lookup = [&](const std::vector<int32_t> & ids) {
-        const ggml_moe_cache_state st = { 128, 40, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free };
+        const ggml_moe_cache_state st = { 128, 40, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free, nullptr };
         slot_ids.assign(ids.size(), -7);
         int32_t n_distinct = 0;
         const int32_t n = ggml_moe_cache_lookup_slots(&st, { marks.data(), distinct.data() }, ids.data(), 1, (int32_t) ids.size(),
