@@ -35,6 +35,10 @@ SCHEMA = 2
 TEST_FIELDS = ("n_prompt", "n_gen", "n_depth", "n_batch", "n_ubatch", "n_gpu_layers", "n_cpu_moe", "type_k",
                "type_v", "flash_attn", "load_mode", "no_host", "repack", "tensor_buft_overrides", "n_threads",
                "cpu_mask", "cpu_strict", "poll", "no_op_offload", "split_mode")
+# llama-bench dimensions of the patched build alone: not in TEST_FIELDS (master's JSON has no such field, and rows
+# pair across the builds by those), so one bench measures one value of each
+PATCHED_ONLY_DIMENSIONS = ("-mcm", "--moe-cache-mib", "-pf", "--sched-prefetch", "-pfd", "--sched-prefetch-depth",
+                           "-pfs", "--sched-prefetch-staging")
 # rounds before an interval may stop a run: stopping as soon as an interval is narrow favours runs whose
 # spread came out small by chance, and with few rounds that is common (simulated: with 3-5 rounds and a
 # per-round spread equal to the target, "converged" intervals covered 84% instead of 95%; 5 rounds keep the
@@ -50,6 +54,10 @@ class Sample:
     rep: int
     ts: float  # tokens per second of this repetition
     discarded: bool  # warm-up: not used in any statistic
+    # the expert cache's hit rate in this repetition, over its cached layers and per layer ("il=rate,..."), where the
+    # build reports one (patched llama-bench with a cache; bench_hits.py)
+    hit_rate: float | None = None
+    layer_hit_rates: str | None = None
 
 
 @dataclass
@@ -115,6 +123,11 @@ class BenchPlan:
         for flag in ("-r", "--repetitions", "-o", "--output"):
             if flag in self.bench_args:
                 raise UserError(f"llama-bench argument {flag} is set by bench itself", "use --reps, and --json for output")
+        for i, flag in enumerate(self.bench_args[:-1]):
+            if flag in PATCHED_ONLY_DIMENSIONS and "," in self.bench_args[i + 1]:
+                raise UserError(f"llama-bench {flag} {self.bench_args[i + 1]}: bench pairs rows by the test fields master's "
+                                "llama-bench reports too, so the values of this patched-only dimension would share a row",
+                                f"run one value of {flag} per bench (the candidate's can come from --candidate-env)")
 
 
 @dataclass
@@ -207,8 +220,12 @@ def _add_invocation(result: BenchResult, entries: list[dict], side: str, rnd: in
     for entry in entries:
         key = tuple(entry.get(f) for f in TEST_FIELDS)
         row = result.rows.setdefault(key, BenchRow(key, test_label(entry), {f: entry.get(f) for f in TEST_FIELDS}))
+        hits = entry.get("samples_moe_cache_hit_rate") or []
+        layer_hits = entry.get("samples_moe_cache_layer_hit_rates") or []
         for rep, ts in enumerate(entry.get("samples_ts") or [entry["avg_ts"]]):
-            row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard))
+            hit = float(hits[rep]) if rep < len(hits) and hits[rep] >= 0 else None
+            layers = layer_hits[rep] if rep < len(layer_hits) and hit is not None else None
+            row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard, hit, layers))
     _unique_labels(list(result.rows.values()))
 
 

@@ -101,7 +101,7 @@ def _env_pairs(values: list[str] | None, flag: str) -> dict:
 
 
 def run_bench(args, model: Path) -> str:
-    from pyllama_moe import bench, bench_limits
+    from pyllama_moe import bench, bench_hits, bench_limits
     from pyllama_moe.build import resolve
 
     def build(variant: str):  # only the tools bench runs, so a bench-only build dir is enough
@@ -142,8 +142,13 @@ def run_bench(args, model: Path) -> str:
     def extras(result) -> tuple[dict, dict]:
         limits = bench_limits.limit_shares(result, *limit, limit_from=args.limit_from) if limit else {}
         pcie = bench_limits.pcie_columns(result, model, probes) if probes else {}
-        rows = {label: {**limits.get(label, {}), **pcie.get(label, {})} for label in {*limits, *pcie}}
-        return rows, bench_limits.limit_columns(limits, pcie, names)
+        hits = bench_hits.hit_rates(result)
+        rows = {label: {**limits.get(label, {}), **pcie.get(label, {}), **hits.get(label, {})}
+                for label in {*limits, *pcie, *hits}}
+        columns = bench_limits.limit_columns(limits, pcie, names)
+        for label, cols in bench_hits.hit_columns(hits, names).items():
+            columns.setdefault(label, {}).update(cols)
+        return rows, columns
 
     def save(result) -> None:  # after every round, so a run cut short keeps what it measured
         if args.json:
@@ -161,6 +166,9 @@ def run_bench(args, model: Path) -> str:
     save(result)  # again: the stop reason and the second probe came after the last round's save
     table = bench.format_table(result, names, args.target_ci, extras(result)[1])
     lines = [table, "", bench.format_noise(result, names), "", f"stopped: {result.stop_reason} ({result.seconds:.0f} s)"]
+    layer_hits = bench_hits.format_layer_hits(bench_hits.hit_rates(result), names)
+    if layer_hits:
+        lines[1:1] = ["", layer_hits]
     if probes:
         lines.append("pinned host-to-device bandwidth: " + ", ".join(f"{p['pinned_gbps']:.1f} GB/s" for p in probes)
                      + f" ({probes[0].get('device')})")

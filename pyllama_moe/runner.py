@@ -42,6 +42,10 @@ class RunSpec:
     moe_cache_mib: int | None = None  # per-context llama_moe_set_moe_cache_mib (patched builds)
     op_offload: bool = True  # llama_context_params.op_offload (--no-op-offload: False)
     warm_tokens: list[int] | None = None  # decoded one at a time before the prompt, then the KV memory cleared
+    # an eval callback on the expert cache's device lookups (patched builds): {"stop_at": N} stops the graph right
+    # after the N-th lookup of the generation (that token is then decoded again), {"read_counters": True} reads the
+    # cache's counters at every lookup; mode_logits.py
+    lookup_callback: dict | None = None
 
 
 @dataclass
@@ -53,6 +57,7 @@ class RunResult:
     log: str
     stats: dict | None = None
     decode_logits_sha256: str | None = None  # the logits of every generated step after the first, in order
+    lookup_callback: dict | None = None  # what the lookup callback saw: "lookups", "stopped_at_step"
 
 
 def check_model(path: Path) -> Path:
@@ -87,9 +92,9 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None,
                "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch,
                "moe_cache_mib": spec.moe_cache_mib, "op_offload": spec.op_offload,
-               "warm_tokens": spec.warm_tokens}
+               "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback}
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits else None
     return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), log,
-                     reply.get("stats"), reply.get("decode_logits_sha256"))
+                     reply.get("stats"), reply.get("decode_logits_sha256"), reply.get("lookup_callback"))

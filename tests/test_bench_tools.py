@@ -13,6 +13,7 @@ import pytest
 from gguf import GGUFReader
 
 from pyllama_moe import bench_limits, models
+from pyllama_moe.bench_hits import parse_layer_rates
 from pyllama_moe.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
@@ -90,3 +91,36 @@ def test_planted_slowdown_knob_is_read_once_and_logged(patched_build, tiny_model
                             "-r", "1", "-t", "2"], capture_output=True, text=True,
                            env=_env_without_sim(LLAMA_MOE_DEBUG_SLOWDOWN_PCT="5"))
     assert quiet.returncode == 0 and "every compute is made 5% slower" in quiet.stderr
+
+
+def test_llama_bench_reports_the_cache_hit_rate_per_layer_and_repetition(patched_build, tiny_model):
+    # on one SIM device, every expert on the host: no cache, a small one (evicting) and a whole one (a slot per expert:
+    # read in place once every expert is resident, all hits)
+    def bench(*args):
+        proc = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-p", "0", "-n", "16",
+                               "-r", "3", "-t", "2", "-ngl", "99", "-ncmoe", "4", "-mcm", "0,2,16", *args],
+                              capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    off, small, whole = json.loads(bench("-o", "json"))
+    assert off["moe_cache_mib"] == 0 and off["moe_cache_hit_rate"] == -1 and off["moe_cache_layer_hit_rates"] == ""
+    assert "samples_moe_cache_hit_rate" not in off
+    for entry in (small, whole):
+        reps = entry["samples_moe_cache_hit_rate"]
+        layers = [parse_layer_rates(text) for text in entry["samples_moe_cache_layer_hit_rates"]]
+        assert len(reps) == len(layers) == 3 and all(sorted(rates) == [0, 1, 2, 3] for rates in layers)
+        # every repetition and layer looks up as many experts (16 tokens, top-k): the rates average exactly
+        assert entry["moe_cache_hit_rate"] == pytest.approx(sum(reps) / 3, abs=1e-4)
+        overall = parse_layer_rates(entry["moe_cache_layer_hit_rates"])
+        assert entry["moe_cache_hit_rate"] == pytest.approx(sum(overall.values()) / 4, abs=1e-4)
+        for il, rate in overall.items():
+            assert rate == pytest.approx(sum(r[il] for r in layers) / 3, abs=1e-4)
+    assert 0 < small["moe_cache_hit_rate"] < 1
+    # the whole cache: misses only while it fills, then every step reads in place (all hits)
+    assert whole["samples_moe_cache_hit_rate"][-1] == 1.0 and whole["moe_cache_hit_rate"] > small["moe_cache_hit_rate"]
+    # markdown: a hit% column, '-' for the test without a cache
+    rows = [line for line in bench("-o", "md").splitlines() if line.startswith("|")]
+    col = [c.strip() for c in rows[0].split("|")].index("hit%")
+    cells = [[c.strip() for c in row.split("|")][col] for row in rows[2:]]
+    assert cells[0] == "-" and float(cells[1]) == pytest.approx(100 * small["moe_cache_hit_rate"], abs=0.1)

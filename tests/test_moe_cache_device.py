@@ -24,9 +24,9 @@ def model():
     return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
-def _run(build, src, model, env, cpu_moe=True, load_mode="none", tokens=TOKENS, generate=N_GEN):
+def _run(build, src, model, env, cpu_moe=True, load_mode="none", tokens=TOKENS, generate=N_GEN, lookup_callback=None):
     spec = runner.RunSpec(model=model, tokens=tokens, cpu_moe=cpu_moe, load_mode=load_mode, repack=False, threads=2,
-                          generate=generate, stats=True, env={**SIM_ENV, **env})
+                          generate=generate, stats=True, env={**SIM_ENV, **env}, lookup_callback=lookup_callback)
     return runner.run(build, src, spec)
 
 
@@ -55,6 +55,9 @@ def test_decode_on_the_device_computes_what_the_host_plan_does(patched_build, sr
     assert dev["n_copy_calls"] == 0 and host["n_copy_calls"] > 0
     steps, hits, misses = map(int, SUMMARY.search(got.log).groups())
     assert (steps, hits, misses) == (dev["n_ubatches"], dev["n_hits"], dev["n_misses"])
+    # every decode step after the prompt looked up on the device, and the summary says how many
+    assert f"{4 * (N_GEN - 1)} looked up on the device" in got.log
+    assert re.search(r", 0 looked up on the device,", host_plan.log)
 
 
 def test_no_host_round_trip_per_layer(patched_build, src, model, reference, host_plan):
@@ -123,3 +126,55 @@ def test_a_batch_of_several_tokens_looks_up_on_the_device_too(patched_build, src
     assert decode["n_overflow"] == 0 and decode["n_copy_calls"] == 0 and decode["n_misses"] > 0
     # the prompt's step (up to 12 distinct experts a layer) and the 7 single-token steps after it
     assert decode["n_ubatches"] == 4 * 8 and decode["n_hits"] + decode["n_misses"] > 4 * 4 * 8
+
+
+# 4 cached layers, one lookup each per decoded token; the 40-token prompt is above the decode threshold (no lookup):
+# the 22nd lookup is the second cached layer's (layer 1) of the 6th decode step (step 5)
+STOP_AT = 4 * 5 + 2
+STOPPED = "an eval callback stopped a graph whose expert cache lookups run on the device: the cache starts empty again"
+
+
+@pytest.mark.parametrize("keep_stopped", [False, True], ids=["fixed", "planted-keep-stopped"])
+def test_a_callback_that_stops_a_graph_after_a_lookup_leaves_no_stale_slot(patched_build, src, model, reference,
+                                                                           keep_stopped):
+    # the callback stops the graph right after a lookup, before its layer's fills: the state says the misses are
+    # resident, their slots hold other bytes. The worker decodes that token again (its KV entries forgotten); the
+    # cache must start empty for it, so the decode computes the reference's logits. The planted knob keeps the
+    # stopped lookup's state: the redo hits the unfilled slots, and the decode differs (the test can fail).
+    env = {"LLAMA_MOE_CACHE_MIB": "2", **({"LLAMA_MOE_CACHE_DEBUG_KEEP_STOPPED": "1"} if keep_stopped else {})}
+    got = _run(patched_build, src, model, env, lookup_callback={"stop_at": STOP_AT})
+    assert ON_DEVICE in got.log
+    assert got.lookup_callback["stopped_at_step"] == 5 and got.lookup_callback["lookups"] > 4 * (N_GEN - 1)
+    if keep_stopped:
+        assert "LLAMA_MOE_CACHE_DEBUG_KEEP_STOPPED=1" in got.log and STOPPED not in got.log
+        assert got.decode_logits_sha256 != reference.decode_logits_sha256
+    else:
+        assert got.log.count(STOPPED) == 1
+        assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+
+
+def test_reading_the_counters_from_a_callback_while_a_graph_runs_changes_nothing(patched_build, src, model, reference,
+                                                                                 host_plan):
+    # a metrics reader in the middle of a graph (here: the eval callback at every lookup) reads the counters the
+    # device lookups left so far; it must not hand the slot state over (the graph's later lookups would then be
+    # overwritten by an older state at the next graph)
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2"}, lookup_callback={"read_counters": True})
+    assert ON_DEVICE in got.log and got.lookup_callback["lookups"] == 4 * (N_GEN - 1)
+    assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+    dev, host = got.stats["generate"]["cache_decode"], host_plan.stats["generate"]["cache_decode"]
+    for key in ("n_ubatches", "n_hits", "n_misses", "n_fills", "n_evictions"):
+        assert dev[key] == host[key], key
+
+
+def test_a_stop_in_a_graph_that_mixes_device_lookups_and_host_plans_leaves_no_stale_slot(patched_build, src, model,
+                                                                                         reference):
+    # mmap'ed experts pinned for part of the model only (a pin budget): the layers whose experts are page-locked look
+    # up on the device, the others plan on the host, in one decode graph. The scheduler then calls the cache's own
+    # eval callback, which must notice the user's stop after a device lookup as the device-only graph's does
+    env = {"LLAMA_MOE_CACHE_MIB": "2", "LLAMA_MOE_PIN_BUDGET_MIB": "3"}
+    got = _run(patched_build, src, model, env, load_mode="mmap", lookup_callback={"stop_at": 2 * 5 + 1})
+    mixed = re.search(r"decode plans (\d) of 4 layers on the host", got.log)
+    assert mixed and 0 < int(mixed.group(1)) < 4, got.log[-3000:]
+    assert got.lookup_callback["stopped_at_step"] is not None
+    assert got.log.count(STOPPED) == 1
+    assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256

@@ -248,12 +248,16 @@ def test_pcie_bound_arithmetic():
 
 def test_plan_refuses_bad_settings(tmp_path):
     for kw, words in (({"reps": 1, "discard": 1}, "keeps no repetition"), ({"target_ci": 3.0}, "relative half-width"),
-                      ({"bench_args": ["-r", "5"]}, "set by bench itself")):
+                      ({"bench_args": ["-r", "5"]}, "set by bench itself"),
+                      ({"bench_args": ["-n", "128", "-mcm", "0,7800"]}, "patched-only dimension would share a row")):
         plan = _plan(tmp_path)
         for name, value in kw.items():
             setattr(plan, name, value)
         with pytest.raises(UserError, match=words):
             plan.check()
+    plan = _plan(tmp_path)
+    plan.bench_args = ["-mcm", "7800", "-ncmoe", "48,24"]
+    plan.check()  # one value of the patched-only dimension: fine
 
 
 def test_warmup_rounds_are_left_out(tmp_path):

@@ -2,18 +2,17 @@
 # One device session over the GPU steps of the open issues, in the order their results are most needed, on one
 # pair of CUDA builds with every default target (so the identity cells, the sanitizer and the benchmarks share
 # them). STEPS lists SCRIPT:STEP pairs of the scripts beside this one; the default is what is still to run after
-# the eighth session (results/moe-cache-prompt-gpu.md), most needed first:
-#   cache.sh:pp-off                      issue 12: no prompt row slower with the cache on: pp512/pp4096 at ub 512
-#                                        and 2048, both load modes, against the cache off (the eighth session
-#                                        measured one round: every row 1.28-1.40x, no interval yet)
-#   device-lookup.sh:ops                 issue 13: test-backend-ops of the lookup and fill ops on CUDA, memcheck and
-#                                        racecheck
-#   cache.sh:identity                    issues 12-13: the cache's CUDA cells, now decoding on the device (and the
-#                                        moe-cache-host cell with the host-side plan)
-#   device-lookup.sh:syncs               issue 13: host synchronizations per token, device lookup against all on GPU
-#   device-lookup.sh:tg                  issue 13: tg128 cache half against master, both load modes
-#   cache.sh:tg-whole                    issue 13: tg128 with every expert cached against all on the GPU
-# Done in the eighth session (add them to STEPS to rerun): cache.sh:identity (8 CUDA cells with the whole ones),
+# the ninth session (results/moe-cache-device-gpu.md), most needed first:
+#   device-lookup.sh:ops                 issue 13: the ops' test-backend-ops on CUDA, memcheck (now without API error
+#                                        reports, see device-lookup.sh) and racecheck
+#   cache.sh:tg-whole                    issue 13: tg128 with every expert cached against all on the GPU, the cold
+#                                        first repetition apart (the ninth session's step asked a paced run for two
+#                                        rows and stopped)
+#   device-lookup.sh:tg-skew0            issue 13: skew 0, cache half against master's -ncmoe 24, both load modes
+#   device-lookup.sh:tg-static           issue 13: skew 0.5, the same, now with the hit rate per layer beside each row
+# Done in the ninth session (add them to STEPS to rerun): cache.sh:pp-off (issue 12's last row), cache.sh:identity
+# (9 CUDA cells, decode on the device), device-lookup.sh:syncs, device-lookup.sh:tg (paced 3.548 [3.316, 3.796]);
+# in the eighth: cache.sh:identity (8 CUDA cells with the whole ones),
 # cache.sh:pp-32k, cache.sh:pp-master, bench-stats.sh:rows-mmap; in the seventh: cache.sh:identity, cache.sh:pp,
 # cache.sh:tg; in the sixth: experts-at-scale.sh:minbatch (skew 0.5),
 # prefetch.sh:identity, experts-at-scale.sh:pin, cache.sh:identity and cache.sh:tg before the prompt path; in the
@@ -33,7 +32,7 @@ follow)
     ;;
 all)
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
-    for s in ${STEPS:-cache.sh:pp-off device-lookup.sh:ops cache.sh:identity device-lookup.sh:syncs device-lookup.sh:tg cache.sh:tg-whole}; do
+    for s in ${STEPS:-device-lookup.sh:ops cache.sh:tg-whole device-lookup.sh:tg-skew0 device-lookup.sh:tg-static}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"
     done

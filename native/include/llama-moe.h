@@ -139,6 +139,8 @@ struct llama_moe_cache_counters {
     uint64_t bytes_copied;   // device -> device
     uint64_t n_copy_calls;   // copies issued: one per run of consecutive experts into consecutive slots and tensor
     uint64_t n_in_place;     // steps of a layer with every expert resident, read in place (no plan, no read back)
+    uint64_t n_routed_in_place; // ... the expert ids those steps routed, all of them hits (n_tokens x top-k a step,
+                                // repeats included: a hit rate over routed ids, exact for steps of one token)
 };
 
 // Returns the number of layers the context caches (0: no cache; *out is zeroed). An il without a cache gives zeros.

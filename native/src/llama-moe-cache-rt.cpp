@@ -112,6 +112,7 @@ struct llama_moe_cache_rt {
     // the user's eval callback stopped a graph that looked up on the device: fills after the stop did not run, so the
     // device's state may name experts whose bytes never reached their slots (see llama_moe_cache_settle)
     bool device_graph_stopped = false;
+    bool graph_looks_up_on_device = false; // the bound graph has device lookups (alone, or beside host-planned layers)
 
     // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int>> host_tensor;
@@ -631,9 +632,16 @@ static void log_summary(const llama_moe_cache_rt & rt) {
     if (routed > 0) {
         snprintf(rate, sizeof(rate), "hit rate %.1f%%", 100.0 * d.n_hits / routed);
     }
+    // steps looked up on the device fill their misses with kernels, not copies: they are counted apart
+    int64_t device_steps = 0;
+    for (const rt_layer & l : rt.layers) {
+        device_steps += l.device_steps;
+    }
     LLAMA_LOG_INFO("llama_moe: expert cache, decode: %" PRIu64 " layer steps, %" PRIu64 " hits, %" PRIu64 " misses (%s), "
-            "%" PRIu64 " on the staging path, %.2f MiB uploaded in %" PRIu64 " copies, %" PRIu64 " read in place\n",
-            d.n_ubatches, d.n_hits, d.n_misses, rate, d.n_overflow, mib(d.bytes_uploaded), d.n_copy_calls, d.n_in_place);
+            "%" PRIu64 " on the staging path, %" PRId64 " looked up on the device, %.2f MiB uploaded in %" PRIu64 " copies, "
+            "%" PRIu64 " read in place\n",
+            d.n_ubatches, d.n_hits, d.n_misses, rate, d.n_overflow, device_steps, mib(d.bytes_uploaded), d.n_copy_calls,
+            d.n_in_place);
     const llama_moe_cache_stats p = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT);
     if (p.n_ubatches > 0) {
         LLAMA_LOG_INFO("llama_moe: expert cache, prompts: %" PRIu64 " layer steps, %" PRIu64 " experts read from the banks, %" PRIu64 " uploaded "
@@ -678,6 +686,9 @@ static bool layer_in_place(const llama_moe_cache_rt & rt, const rt_layer & l) {
 }
 
 void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
+    if (rt != nullptr && rt->device_graph_stopped && llama_moe_cache_debug_keep_stopped()) {
+        rt->device_graph_stopped = false; // the planted fault: the state keeps slots whose fills may not have run
+    }
     if (rt != nullptr && rt->device_graph_stopped) {
         // which fills ran is not known: forget every resident, and upload that empty state before the next lookup
         LLAMA_LOG_WARN("llama_moe: an eval callback stopped a graph whose expert cache lookups run on the device: the cache "
@@ -1028,7 +1039,11 @@ static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
     if (r != nullptr) {
         plan_route(rt, *r);
     }
-    return rt.user_asked == t && rt.user_wants_it ? rt.user_cb(t, false, rt.user_data) : true;
+    const bool go_on = rt.user_asked == t && rt.user_wants_it ? rt.user_cb(t, false, rt.user_data) : true;
+    if (!go_on && rt.graph_looks_up_on_device) {
+        rt.device_graph_stopped = true; // device lookups beside host-planned layers: as in device_user_callback
+    }
+    return go_on;
 }
 
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
@@ -1075,7 +1090,8 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         }
         if (r.in_place) {
             // the phase of the graph (a prompt's last layer may compute a single output row)
-            rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT);
+            rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT,
+                    (uint64_t) r.graph_tokens * (uint64_t) l.n_used);
             first_in_place = first_in_place || !l.in_place_bound;
             l.in_place_bound = true;
         } else {
@@ -1104,6 +1120,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     rt->banks_on_compute = rt->banks_on_compute || banks;
     rt->user_cb   = user_cb;
     rt->user_data = user_data;
+    rt->graph_looks_up_on_device = device;
     if (host_plan) {
         rt->routes = &routes;
         ggml_backend_sched_set_eval_callback(sched, eval_callback, rt);
@@ -1138,7 +1155,7 @@ int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t
     if (il < 0 || (il < (int32_t) rt->index.size() && rt->index[il] >= 0)) {
         const llama_moe_cache_stats s = rt->plan->get_stats(il, (llama_moe_cache_phase) phase);
         *out = { s.n_ubatches, s.n_hits, s.n_misses, s.n_overflow, s.n_fills, s.n_evictions, s.bytes_uploaded,
-                 s.bytes_copied, s.n_copy_calls, s.n_in_place };
+                 s.bytes_copied, s.n_copy_calls, s.n_in_place, s.n_routed_in_place };
     }
     return (int32_t) rt->layers.size();
 }

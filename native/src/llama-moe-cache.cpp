@@ -85,6 +85,7 @@ void llama_moe_cache_stats::add(const llama_moe_cache_stats & o) {
     bytes_copied   += o.bytes_copied;
     n_copy_calls   += o.n_copy_calls;
     n_in_place     += o.n_in_place;
+    n_routed_in_place += o.n_routed_in_place;
 }
 
 // copies of the per-copy path: runs of consecutive experts (and, with slots, consecutive slots), per tensor
@@ -238,11 +239,12 @@ bool llama_moe_cache::whole(int32_t il) const {
     return true;
 }
 
-void llama_moe_cache::note_in_place(int32_t il, llama_moe_cache_phase phase) {
+void llama_moe_cache::note_in_place(int32_t il, llama_moe_cache_phase phase, uint64_t n_routed) {
     MOE_CACHE_ASSERT(phase >= 0 && phase < LLAMA_MOE_CACHE_PHASE_COUNT);
     llama_moe_cache_stats & st = layer_of(*this, il).stats[phase];
     st.n_ubatches++;
     st.n_in_place++;
+    st.n_routed_in_place += n_routed;
 }
 
 void llama_moe_cache::note_staging(int32_t il) {

@@ -81,6 +81,7 @@ struct llama_moe_cache_stats {
     uint64_t bytes_copied   = 0; // device -> device (bank -> staging reads, staging -> bank admits)
     uint64_t n_copy_calls   = 0; // copies of the per-copy path: one per contiguous run and tensor
     uint64_t n_in_place     = 0; // steps of a whole layer, read in place: no plan, no routing read back
+    uint64_t n_routed_in_place = 0; // ... the expert ids they routed, all resident (n_tokens x n_used a step)
 
     void add(const llama_moe_cache_stats & o);
 };
@@ -172,7 +173,7 @@ struct llama_moe_cache {
     // its banks are the images of its host tensors, and a graph of any size may read them as the expert tensors
     bool whole(int32_t il) const;
     // a step of a whole layer read in place: counted as a step of the phase, nothing planned
-    void note_in_place(int32_t il, llama_moe_cache_phase phase);
+    void note_in_place(int32_t il, llama_moe_cache_phase phase, uint64_t n_routed);
 
     // a decode ubatch the caller sent to the staging path without planning it (its graph could not promise that the
     // experts fit the slots): counted as a step and an overflow; its routing is not read (that would cost a device

@@ -19,6 +19,11 @@ int64_t llama_moe_cache_context_mib();
 // keeps stale bytes; a planted fault the identity cells must catch. Unset or 0: off.
 uint64_t llama_moe_cache_debug_skip_fill();
 
+// LLAMA_MOE_CACHE_DEBUG_KEEP_STOPPED=1 (read once): a graph an eval callback stopped after a device lookup keeps the
+// lookup's slot state although its fills may not have run (the cache is otherwise emptied): a planted fault the
+// stopping-callback test must catch. Unset or 0: off.
+bool llama_moe_cache_debug_keep_stopped();
+
 // LLAMA_MOE_DEBUG_SLOWDOWN_PCT=N (read once): at the end of each compute cycle (first decode after a
 // synchronization up to the next synchronization), wait N% of the cycle's time. A planted loss for testing
 // that benchmark statistics see a small slowdown; never for use. Unset or 0: returns at once.

@@ -248,6 +248,18 @@ uint64_t llama_moe_cache_debug_skip_fill() {
     return n > 0 ? (uint64_t) n : 0;
 }
 
+bool llama_moe_cache_debug_keep_stopped() {
+    static const bool on = [] {
+        const bool v = llama_moe_env_whole("LLAMA_MOE_CACHE_DEBUG_KEEP_STOPPED", 0, 1) == 1;
+        if (v) {
+            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DEBUG_KEEP_STOPPED=1: a stopped graph's device lookups keep their "
+                    "slots without their fills (a planted stale state for testing)\n");
+        }
+        return v;
+    }();
+    return on;
+}
+
 void llama_moe_default_set_moe_cache_mib(int64_t mib) {
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     g_cache_mib = mib >= 0 ? mib : -1;

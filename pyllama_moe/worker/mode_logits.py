@@ -3,7 +3,8 @@
 Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
 "prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
-"warm_tokens" (decoded one at a time before the prompt, then forgotten). Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats".
+"warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch). Reply: "n_tokens",
+"n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats", "lookup_callback".
 """
 
 from __future__ import annotations
@@ -36,13 +37,22 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         cp.no_perf = True
         cp.op_offload = bool(req.get("op_offload", True))
         keep_cb = None
+        watch = _LookupWatch(L, lib_dir, req["lookup_callback"]) if req.get("lookup_callback") else None
+        if watch and req.get("eval_callback"):
+            raise RuntimeError("a request takes one eval callback: \"eval_callback\" or \"lookup_callback\", not both")
         if req.get("eval_callback"):
             keep_cb = cp.cb_eval = _eval_callback(L, int(req["eval_callback"]))
+            cp.cb_eval_user_data = None
+        elif watch:
+            keep_cb = cp.cb_eval = watch.callback
             cp.cb_eval_user_data = None
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
-        moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch") or req.get("moe_cache_mib") is not None) else None
+        moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch") or req.get("moe_cache_mib") is not None
+                                        or watch) else None
+        if watch:
+            watch.moe = moe
         batch = L.llama_batch_init(n_batch, 0, 1)
         reply: dict = {"n_tokens": len(tokens), "n_vocab": n_vocab}
         try:
@@ -74,12 +84,20 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 tok = int(np.argmax(last))
                 generated.append(tok)
                 if step + 1 < n_gen:
-                    last = _decode(L, ctx, batch, [tok], len(tokens) + step, False, n_batch, n_vocab)[-1]
+                    pos = len(tokens) + step
+                    last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
+                    if watch and watch.take_stop(step):
+                        # the stopped graph's logits and KV entries are unfinished: forget the token, decode it again
+                        if not L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, pos, -1):
+                            raise RuntimeError(f"the context's memory cannot forget position {pos} to decode it again")
+                        last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
                     decode_digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
             reply["generated"] = generated
             reply["decode_logits_sha256"] = decode_digest.hexdigest()
             if moe and req.get("stats"):
                 reply["stats"]["generate"] = moe.stats()
+            if watch:
+                reply["lookup_callback"] = {"lookups": watch.seen, "stopped_at_step": watch.stopped_at_step}
             reply["text"] = _detok(L, vocab, generated)
         finally:
             del keep_cb  # the context held a pointer to it until here
@@ -172,6 +190,45 @@ class _MoeApi:
             out["cache_layers"] = n_layers
             out["cache_bytes"] = int(self.lib.llama_moe_cache_size(self.ctx))
         return out
+
+
+class _LookupWatch:
+    """An eval callback on the expert cache's device lookups (GGML_OP_MOE_CACHE_LOOKUP nodes): with "stop_at": N it
+    stops the graph right after the N-th lookup, before that layer's fills (the state a user's stopping callback
+    leaves); with "read_counters" it reads the cache's counters at every lookup (a metrics reader while a graph runs).
+    Either way what follows must compute what it would have without the callback."""
+
+    def __init__(self, L, lib_dir: Path, spec: dict):
+        ggml = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+        ggml.ggml_op_desc.restype = ctypes.c_char_p
+        ggml.ggml_op_desc.argtypes = [ctypes.c_void_p]
+        self._op = ggml.ggml_op_desc
+        self.stop_at = int(spec.get("stop_at") or 0)
+        self.read_counters = bool(spec.get("read_counters"))
+        self.moe = None  # the context's _MoeApi, set once the context exists
+        self.seen = 0
+        self.stopped = False
+        self.stopped_at_step = None
+        self.callback = L.ggml_backend_sched_eval_callback(self._on_tensor)
+
+    def _on_tensor(self, t, ask, _user):
+        is_lookup = self._op(t) == b"MOE_CACHE_LOOKUP"
+        if ask or not is_lookup:
+            return is_lookup if ask else True
+        self.seen += 1
+        if self.read_counters and self.moe is not None:
+            self.moe.stats()
+        if self.seen == self.stop_at:
+            self.stopped = True
+            return False
+        return True
+
+    def take_stop(self, step: int) -> bool:
+        """Whether the last decode was stopped (once: the redo runs to the end)."""
+        if not self.stopped:
+            return False
+        self.stopped, self.stopped_at_step = False, step
+        return True
 
 
 def _eval_callback(L, every: int):

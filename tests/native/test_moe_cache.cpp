@@ -852,14 +852,17 @@ static void whole_layer() {
     CHECK(q.layer(0)->n_free == 0 && !q.whole(0), "%d free, whole %d", q.layer(0)->n_free, (int) q.whole(0));
 
     // steps read in place are counted in their phase, as steps
-    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
-    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_DECODE);
-    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_PROMPT, 512 * 2);
+    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_DECODE, 2);
+    c.note_in_place(0, LLAMA_MOE_CACHE_PHASE_DECODE, 2);
     const llama_moe_cache_stats pr = c.get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT);
     const llama_moe_cache_stats de = c.get_stats(-1, LLAMA_MOE_CACHE_PHASE_DECODE);
     CHECK(pr.n_in_place == 1 && pr.n_ubatches == 1 && de.n_in_place == 2 && de.n_ubatches == before.n_ubatches + 50 + 2 &&
             de.n_fills == 16, "prompt %" PRIu64 "/%" PRIu64 ", decode %" PRIu64 "/%" PRIu64, pr.n_in_place, pr.n_ubatches,
             de.n_in_place, de.n_ubatches);
+    // ... with the ids they routed (all hits)
+    CHECK(pr.n_routed_in_place == 1024 && de.n_routed_in_place == before.n_routed_in_place + 4, "routed in place %" PRIu64
+            " / %" PRIu64, pr.n_routed_in_place, de.n_routed_in_place);
 }
 
 static void lookup_handover() {

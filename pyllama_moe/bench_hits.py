@@ -1,0 +1,79 @@
+"""The expert cache's hit rates beside bench rows.
+
+A decode row with the cache on says little without its hit rate: the rate follows the routing, the budget and how
+warm the cache is. The patched llama-bench reports, per repetition, the decode hit rate over the cached layers and
+per layer (`samples_moe_cache_hit_rate`, `samples_moe_cache_layer_hit_rates`; prompt steps are not counted); a row's
+rate here is the mean over the repetitions its timing keeps, per side, so a speed and its hit rate come from the
+same repetitions. Each repetition of a decode test looks up as many experts per layer as any other (the same number
+of one-token steps, top-k each), so the mean of the repetitions' rates is the rate of their pooled lookups. The
+first repetition of each process (a fresh context: its cache empty but for llama-bench's one-token warm-up run) is
+reported apart as the cold rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from pyllama_moe.bench import SIDES, BenchResult, BenchRow
+
+
+def parse_layer_rates(text: str | None) -> dict[int, float]:
+    """'0=0.7500,3=0.9120' -> {0: 0.75, 3: 0.912}; empty for None or ''."""
+    out = {}
+    for part in (text or "").split(","):
+        if part:
+            il, rate = part.split("=")
+            out[int(il)] = float(rate)
+    return out
+
+
+def side_hits(row: BenchRow, side: str) -> dict | None:
+    """The hit rates of one side of a row: kept repetitions (overall and per layer) and each process's first (cold)."""
+    kept = [s for s in row.samples if s.side == side and not s.discarded and s.hit_rate is not None]
+    cold = [s.hit_rate for s in row.samples if s.side == side and s.rep == 0 and s.hit_rate is not None]
+    if not kept:
+        return None
+    per_layer: dict[int, list[float]] = {}
+    for s in kept:
+        for il, rate in parse_layer_rates(s.layer_hit_rates).items():
+            per_layer.setdefault(il, []).append(rate)
+    return {"hit_rate": statistics.fmean(s.hit_rate for s in kept), "repetitions": len(kept),
+            "cold_hit_rate": statistics.fmean(cold) if cold else None,
+            "layers": {il: statistics.fmean(rates) for il, rates in sorted(per_layer.items())}}
+
+
+def hit_rates(result: BenchResult) -> dict[str, dict]:
+    """Per row label with a cache on some side: {"hit_rate": {side: side_hits}} (for the JSON's rows)."""
+    out = {}
+    for row in result.rows.values():
+        sides = {side: h for side in SIDES if (h := side_hits(row, side))}
+        if sides:
+            out[row.label] = {"hit_rate": sides}
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def hit_columns(hits: dict[str, dict], names: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Table columns: per side with a cache, the hit rate and the range over its layers."""
+    cols: dict[str, dict[str, str]] = {}
+    for label, entry in hits.items():
+        for side, h in entry["hit_rate"].items():
+            layers = list(h["layers"].values())
+            spread = f" (layers {_pct(min(layers))}-{_pct(max(layers))})" if layers else ""
+            cols.setdefault(label, {})[f"hit rate, {names[side]}"] = _pct(h["hit_rate"]) + spread
+    return cols
+
+
+def format_layer_hits(hits: dict[str, dict], names: dict[str, str]) -> str:
+    """One line per row and side: the hit rate of every cached layer, and the cold rate of each process's first
+    repetition."""
+    lines = []
+    for label, entry in hits.items():
+        for side, h in entry["hit_rate"].items():
+            layers = " ".join(f"{il}:{100 * rate:.0f}" for il, rate in h["layers"].items())
+            cold = f"; cold (first repetitions) {_pct(h['cold_hit_rate'])}" if h["cold_hit_rate"] is not None else ""
+            lines.append(f"hit rate per layer (%), {label}, {names[side]}: {layers}{cold}")
+    return "\n".join(lines)

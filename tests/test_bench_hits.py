@@ -1,0 +1,65 @@
+"""Hit rates beside bench rows (bench_hits.py), from llama-bench-shaped entries: the kept repetitions' rates per side
+and per layer, each process's first (cold) one apart, warm-up rounds in neither, and rows without a cache left out."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyllama_moe import bench, bench_hits
+
+NAMES = {"baseline": "master", "candidate": "patched"}
+
+
+def _entry(n_cpu_moe, ts, hits=None, layers=None):
+    entry = {"n_prompt": 0, "n_gen": 128, "n_ubatch": 512, "n_batch": 2048, "n_gpu_layers": 99, "n_cpu_moe": n_cpu_moe,
+             "load_mode": "none", "samples_ts": ts, "avg_ts": ts[0]}
+    if hits is not None:
+        entry["samples_moe_cache_hit_rate"] = hits
+        entry["samples_moe_cache_layer_hit_rates"] = layers
+    return entry
+
+
+def _result():
+    result = bench.BenchResult()
+    # a warm-up round: every repetition discarded, the first one cold
+    bench._add_invocation(result, [_entry(48, [50.0, 100.0, 100.0], [0.25, 0.9, 0.9], ["0=0.2500,1=0.2500",
+                                   "0=0.9000,1=0.9000", "0=0.9000,1=0.9000"])], "candidate", -1, 0, 3)
+    for rnd in range(2):
+        # master has no cache (no hit rate fields); patched's first repetition of each process is cold and discarded
+        bench._add_invocation(result, [_entry(48, [30.0, 31.0, 31.0]), _entry(0, [340.0] * 3)], "baseline", rnd, 2 * rnd, 1)
+        bench._add_invocation(result, [
+            _entry(48, [60.0, 110.0, 112.0], [0.25, 0.70, 0.80], ["0=0.2000,1=0.3000", "0=0.6000,1=0.8000", "0=0.7000,1=0.9000"]),
+            _entry(0, [340.0] * 3, [-1.0, -1.0, -1.0], ["", "", ""]),  # a cache with nothing to cache: -1
+        ], "candidate", rnd, 2 * rnd + 1, 1)
+    return result
+
+
+def test_a_rows_hit_rate_is_its_kept_repetitions_and_the_cold_ones_are_apart():
+    hits = bench_hits.hit_rates(_result())
+    assert list(hits) == ["tg128 ub512 ngl99 ncmoe48 lm=none"]  # master's rows and the -1 row have none
+    h = hits["tg128 ub512 ngl99 ncmoe48 lm=none"]["hit_rate"]
+    assert list(h) == ["candidate"]
+    assert h["candidate"]["hit_rate"] == pytest.approx(0.75) and h["candidate"]["repetitions"] == 4
+    assert h["candidate"]["cold_hit_rate"] == pytest.approx(0.25)  # rep 0 of 3 processes, the warm-up's warm reps not
+    assert h["candidate"]["layers"] == {0: pytest.approx(0.65), 1: pytest.approx(0.85)}
+
+
+def test_the_table_column_and_the_layer_lines_and_the_json_carry_them():
+    result = _result()
+    hits = bench_hits.hit_rates(result)
+    table = bench.format_table(result, NAMES, extra=bench_hits.hit_columns(hits, NAMES))
+    assert "| hit rate, patched |" in table.splitlines()[0]
+    assert "75.0% (layers 65.0%-85.0%)" in table
+    lines = bench_hits.format_layer_hits(hits, NAMES)
+    assert lines == ("hit rate per layer (%), tg128 ub512 ngl99 ncmoe48 lm=none, patched: 0:65 1:85; "
+                     "cold (first repetitions) 25.0%")
+    doc = json.loads(bench.to_json(result, {}, extra_rows=hits))
+    row = next(t for t in doc["tests"] if t["key"]["n_cpu_moe"] == 48)
+    assert row["hit_rate"]["candidate"]["layers"] == {"0": pytest.approx(0.65), "1": pytest.approx(0.85)}
+    assert [s["hit_rate"] for s in row["samples"] if s["side"] == "candidate"][3:6] == [0.25, 0.70, 0.80]
+
+
+def test_layer_rates_parse():
+    assert bench_hits.parse_layer_rates("0=0.7500,13=1.0000") == {0: 0.75, 13: 1.0}
+    assert bench_hits.parse_layer_rates("") == {} and bench_hits.parse_layer_rates(None) == {}
