@@ -6,7 +6,7 @@ line at 1.0; a point whose interval excludes 1.0 is filled, one whose interval i
 interval) is hollow. Files of schema 1 (before intervals) still plot, without error bars.
 
 `--samples` draws every sample of one run; `--sweep FIELD` one number per test against a setting
-(`pyllama_moe.plot_sweep`). The output format follows the suffix of -o (.svg, .png, .pdf).
+(`pyllama_moe.plot_sweep`); `--hit-rates` the expert cache's hit rate per layer (`pyllama_moe.plot_hits`). The output format follows the suffix of -o (.svg, .png, .pdf).
 """
 
 from __future__ import annotations
@@ -319,6 +319,12 @@ def cmd_plot(args) -> int:
         write_figure(sweep_figure(args.json, args.sweep, args.sweep_y, args.title or ""), args.output)
         print(f"wrote {args.output} ({args.sweep_y} against {args.sweep})")
         return 0
+    if args.hit_rates:
+        from pyllama_moe.plot_hits import hit_rates_figure
+
+        write_figure(hit_rates_figure(args.json, args.title or ""), args.output)
+        print(f"wrote {args.output} (hit rate per layer)")
+        return 0
     tests, meta = load_tests(args.json)
     write_figure(bench_figure(tests, meta, args.title or ""), args.output)
     print(f"wrote {args.output} ({len(tests)} tests)")
@@ -337,6 +343,8 @@ def register(sub) -> None:
     what.add_argument("--sweep", metavar="FIELD",
                       help="draw one number per test against this field of the test key (e.g. n_ubatch), "
                            "a line per file and setting")
+    what.add_argument("--hit-rates", action="store_true",
+                      help="draw the expert cache's decode hit rate per layer of every row that has one")
     p.add_argument("--sweep-y", choices=("ratio", "share", "ts"), default="ratio",
                    help="with --sweep: the ratio with its interval (default), the share of the --limit-row "
                         "row, or the candidate's median t/s")

@@ -306,14 +306,19 @@ def test_sweep_reads_llama_bench_json_of_one_build(tmp_path, capsys):
     def record(ub, staging, samples):
         return {"n_prompt": 4096, "n_gen": 0, "n_ubatch": ub, "sched_prefetch_staging": staging,
                 "test_time": f"2026-12-01T14:{staging % 60:02d}:00Z", "avg_ts": sum(samples) / len(samples),
-                "stddev_ts": 1.0, "samples_ts": samples, "samples_ns": [1] * len(samples)}
+                "stddev_ts": 1.0, "samples_ts": samples, "samples_ns": [1] * len(samples),
+                # the cache's hit rates are results too (one per record here)
+                "moe_cache_hit_rate": staging / 1000, "moe_cache_layer_hit_rates": f"0={staging / 1000}",
+                "samples_moe_cache_hit_rate": [staging / 1000] * len(samples),
+                "samples_moe_cache_layer_hit_rates": [f"0={staging / 1000}"] * len(samples)}
 
     f = tmp_path / "sweep.json"
     f.write_text(json.dumps([record(4096, 216, [9818, 9810, 9823]), record(4096, 108, [6438, 6469, 6476]),
                              record(2048, 108, [4357, 4371, 4374, 4380])]))
     from pyllama_moe.plot_sweep import sweep_series
 
-    # the test time differs per record and is a result, not a setting: one line per ubatch, not per record
+    # the test time and the hit rates differ per record and are results, not settings: one line per ubatch, not per
+    # record
     assert sweep_series(f, "sched_prefetch_staging", "ts") == {
         "sweep n_ubatch=4096": [(108.0, 6469.0, 6438.0, 6476.0), (216.0, 9818.0, 9810.0, 9823.0)],
         "sweep n_ubatch=2048": [(108.0, 4372.5, 4357.0, 4380.0)]}
@@ -322,3 +327,25 @@ def test_sweep_reads_llama_bench_json_of_one_build(tmp_path, capsys):
     out = tmp_path / "ts.svg"
     assert main(["plot", str(f), "--sweep", "sched_prefetch_staging", "--sweep-y", "ts", "-o", str(out)]) == 0
     ET.parse(out)
+
+
+def test_hit_rates_draw_a_line_per_row_and_side_with_a_cache(tmp_path):
+    with_cache = _test2("tg128 ncmoe48", 31.0, 112.0, 3.6, 3.3, 3.9)
+    with_cache["hit_rate"] = {"candidate": {"hit_rate": 0.75, "repetitions": 4, "cold_hit_rate": 0.4,
+                                            "layers": {"0": 0.7, "1": 0.8, "2": 0.75}}}
+    no_cache = _test2("tg128 ncmoe0", 340.0, 340.0, 1.0, 0.99, 1.01)
+    path = _schema2(tmp_path / "tg.json", [with_cache, no_cache], candidate_name="patched")
+    from pyllama_moe.plot_hits import hit_rates_figure
+
+    fig = hit_rates_figure([path])
+    (ax,) = fig.axes
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [0, 1, 2] and list(line.get_ydata()) == [0.7, 0.8, 0.75]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["tg128 ncmoe48, patched (75.0%)"]
+    proc = _cli(path, "--hit-rates", "-o", tmp_path / "hits.svg")
+    assert proc.returncode == 0 and "hit rate per layer" in proc.stdout
+    ET.parse(tmp_path / "hits.svg")
+    # a file without hit rates says what to run
+    bare = _schema2(tmp_path / "bare.json", [no_cache])
+    proc = _cli(bare, "--hit-rates", "-o", tmp_path / "none.svg")
+    assert proc.returncode == 2 and "has a cache hit rate" in proc.stderr and not (tmp_path / "none.svg").exists()

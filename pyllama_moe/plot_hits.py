@@ -1,0 +1,56 @@
+"""`pyllama-moe plot --hit-rates`: the expert cache's decode hit rate per layer, from `pyllama-moe bench --json`
+files whose rows carry one (`bench_hits.py`: a patched llama-bench with the cache on).
+
+One line per file, row and side with a cache, the layer index on x and the hit rate on y, the row's overall rate
+in its legend entry. The layers of a model route alike, so a flat line is what an equal share of slots per layer
+gives; a layer that sags is one that routes more widely (or has fewer slots) and is where a budget helps most.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pyllama_moe.errors import UserError
+from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file
+
+
+def hit_series(path: Path) -> list[tuple[str, list[tuple[int, float]], float]]:
+    """(label, [(layer, rate)], overall rate) for every row and side of one bench file that has hit rates."""
+    meta, tests = _read_file(Path(path), normalize=False)
+    names = {"baseline": meta.get("baseline_name") or "baseline", "candidate": meta.get("candidate_name") or "candidate"}
+    out = []
+    try:
+        for t in tests:
+            for side, h in (t.get("hit_rate") or {}).items():
+                layers = sorted((int(il), float(rate)) for il, rate in h["layers"].items())
+                out.append((f"{t['test']}, {names.get(side, side)}", layers, float(h["hit_rate"])))
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise UserError(f"{path} {NOT_BENCH} with hit rates per layer ({exc})", NOT_BENCH_FIX) from exc
+    return out
+
+
+def hit_rates_figure(paths: list[Path], title: str = ""):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    series = [(Path(p).name if len(paths) > 1 else "", s) for p in paths for s in hit_series(Path(p))]
+    if not series:
+        raise UserError("no row of " + ", ".join(str(p) for p in paths) + " has a cache hit rate",
+                        "bench a patched build with the cache on (e.g. --candidate-env LLAMA_MOE_CACHE_MIB=7800); "
+                        "its llama-bench reports the rates")
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for file_name, (label, layers, overall) in series:
+        xs, ys = zip(*layers) if layers else ((), ())
+        prefix = f"{file_name}: " if file_name else ""
+        ax.plot(xs, ys, "o-", markersize=3, linewidth=1, label=f"{prefix}{label} ({100 * overall:.1f}%)")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("decode hit rate (kept repetitions)")
+    ax.set_ylim(0, 1.02)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    if title:
+        fig.suptitle(title)
+    return fig
