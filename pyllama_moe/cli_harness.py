@@ -42,7 +42,9 @@ def cmd_run(args) -> int:
     spec = runner.RunSpec(model=args.model, prompt=prompt, n_gpu_layers=args.ngl, cpu_moe=args.cpu_moe,
                           n_cpu_moe=args.n_cpu_moe, load_mode=args.load_mode, repack=not args.no_repack,
                           n_ubatch=args.ubatch, threads=_threads(args), generate=args.generate,
-                          )
+                          moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None)
+    if args.moe_cache_mib is not None and built.variant != "patched":
+        raise UserError("--moe-cache-mib needs the patched build (master has no expert cache)", "drop it or use --variant patched")
     result = runner.run(built, src, spec)
     if args.logits_out:
         import numpy as np
@@ -50,7 +52,14 @@ def cmd_run(args) -> int:
         np.save(args.logits_out, result.logits)
     reply = {"build": str(built.path), "variant": built.variant, "positions": int(result.logits.shape[0]),
              "logits_sha256": result.logits_sha256, "generated": result.generated, "text": result.text}
-    print(json.dumps(reply, indent=1) if args.json else f"logits sha256 {result.logits_sha256}\n{result.text}")
+    cache_line = ""
+    if result.stats:
+        decode = result.stats["generate"]["cache_decode"]
+        reply["cache_decode"] = decode
+        looked_up = decode["n_hits"] + decode["n_misses"] + decode.get("n_routed_in_place", 0)
+        rate = f"{(decode['n_hits'] + decode.get('n_routed_in_place', 0)) / looked_up:.1%}" if looked_up else "n/a"
+        cache_line = f"\nexpert cache, decode: {decode['n_ubatches']} layer steps, hit rate {rate}"
+    print(json.dumps(reply, indent=1) if args.json else f"logits sha256 {result.logits_sha256}\n{result.text}{cache_line}")
     return 0
 
 
@@ -126,6 +135,11 @@ def run_bench(args, model: Path) -> str:
                            max_seconds=args.max_seconds,
                            env={"baseline": _env_pairs(args.baseline_env, "--baseline-env"),
                                 "candidate": _env_pairs(args.candidate_env, "--candidate-env")})
+    if args.moe_cache_mib is not None:
+        if args.candidate != "patched":
+            raise UserError("--moe-cache-mib sets the candidate's expert cache, and the candidate is master",
+                            "use --candidate patched")
+        plan.env["candidate"]["LLAMA_MOE_CACHE_MIB"] = str(args.moe_cache_mib)
     plan.check()
     probes = []
     if args.pcie_bound:
@@ -216,7 +230,7 @@ def cmd_demo(args) -> int:
     matrix = load_matrix(DEFAULT_MATRIX)
     model = models.ensure_model("qwen3moe", matrix.models["qwen3moe"])
     args.bench_args, args.rounds, args.reps, args.discard, args.warmup_rounds = None, 2, 3, 1, 0
-    args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = None
+    args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = args.moe_cache_mib = None
     args.limit_from = "own"
     args.pcie_bound = args.paced = args.pin_threads = False
     args.paced_chunk = 0
@@ -249,6 +263,8 @@ def register(sub) -> None:
     p.add_argument("-nr", "--no-repack", action="store_true")
     p.add_argument("-ub", "--ubatch", type=int, default=512)
     p.add_argument("-n", "--generate", type=int, default=32)
+    p.add_argument("-mcm", "--moe-cache-mib", type=int, metavar="MIB",
+                   help="the context's expert cache per GPU in MiB (patched builds; default: LLAMA_MOE_CACHE_MIB)")
     p.add_argument("--logits-out", type=Path, help="write the all-position logits (f32) as .npy")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_run)
@@ -303,6 +319,8 @@ def register(sub) -> None:
                    help="show prompt rows' share of the PCIe bound (host bytes per ubatch / pinned bandwidth, probed)")
     p.add_argument("--baseline-env", action="append", metavar="NAME=VALUE", help="environment for the baseline only")
     p.add_argument("--candidate-env", action="append", metavar="NAME=VALUE", help="environment for the candidate only")
+    p.add_argument("-mcm", "--moe-cache-mib", type=int, metavar="MIB",
+                   help="the candidate's expert cache per GPU in MiB (as --candidate-env LLAMA_MOE_CACHE_MIB=MIB)")
     p.add_argument("--archive-dir", type=Path)
     p.add_argument("--json", type=Path, help="write every sample, interval and setting as JSON (rewritten each round)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then llama-bench arguments "

@@ -121,3 +121,12 @@ def load(build: Build) -> MoeLib:
     moe = MoeLib(path, build, lib, ffi, tuple(present))
     check_embedded(build, moe.build_info(), path)
     return moe
+
+
+def cache_counters(lib, ffi, ctx, phase: int, il: int = -1) -> tuple[int, dict[str, int]]:
+    """`llama_moe_cache_get_counters` of a context (a cffi `struct llama_context *`): the number of layers it caches,
+    and the counters of layer il (-1: summed over them) in phase 0 (prompt) or 1 (decode), by the field names of this
+    header's struct, so fields appended to it come along."""
+    out = ffi.new("struct llama_moe_cache_counters *")
+    n_layers = int(lib.llama_moe_cache_get_counters(ctx, il, phase, out))
+    return n_layers, {name: int(getattr(out, name)) for name, _ in ffi.typeof("struct llama_moe_cache_counters").fields}

@@ -1,6 +1,8 @@
 """End to end on the CPU builds: the identity subset CI runs, the runner's bad inputs, the A/B bench."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -8,12 +10,13 @@ import pytest
 
 from pyllama_moe import runner
 from pyllama_moe.errors import UserError
-from pyllama_moe.paths import PROJECT_ROOT
+from pyllama_moe.paths import CI_DIR, PROJECT_ROOT
 
 
-def _cli(*args, timeout=1800):
+def _cli(*args, timeout=1800, env_extra=None):
+    env = {**os.environ, **env_extra} if env_extra else None
     return subprocess.run([sys.executable, "-m", "pyllama_moe", *args], cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, patched_build, tmp_path):
@@ -95,6 +98,30 @@ def test_bench_reports_a_ratio_with_an_interval_per_test(master_build, patched_b
         assert len(t["samples"]) == 2 * 2 * 2  # rounds x builds x reps, the warm-up ones marked
         assert sum(s["discarded"] for s in t["samples"]) == 4
         assert t["n_pairs"] == 2 and t["ci_low"] <= t["ratio"] <= t["ci_high"]
+
+
+def test_bench_and_run_take_the_cache_budget_and_show_its_hit_rate(master_build, patched_build, tmp_path):
+    # the candidate on one SIM device with every expert on the host and a 2 MiB cache; master has no SIM device and
+    # no cache (its rows carry no hit rate)
+    out = tmp_path / "bench.json"
+    proc = _cli("bench", "--synth", "qwen3moe", "--rounds", "2", "--warmup-rounds", "0", "--reps", "2", "--discard", "1",
+                "--moe-cache-mib", "2", "--candidate-env", "GGML_SIM_DEVICES=1", "--json", str(out),
+                "--", "-p", "0", "-n", "8", "-t", "2", "-ngl", "99", "-ncmoe", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hit rate, patched |" in proc.stdout.splitlines()[0]
+    assert "hit rate per layer (%), tg8 ub512 ngl99 ncmoe4" in proc.stdout and "cold (first repetitions)" in proc.stdout
+    (test,) = json.loads(out.read_text())["tests"]
+    assert list(test["hit_rate"]) == ["candidate"] and sorted(test["hit_rate"]["candidate"]["layers"]) == ["0", "1", "2", "3"]
+    assert json.loads(out.read_text())["meta"]["env"]["candidate"]["LLAMA_MOE_CACHE_MIB"] == "2"
+    assert "needs the patched build" in _cli("run", "--variant", "master", "--moe-cache-mib", "2", "x.gguf").stderr
+    from pyllama_moe import models
+    from pyllama_moe.matrix import load_matrix
+
+    model = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+    run = _cli("run", "--variant", "patched", "--no-build", "-cmoe", "-mcm", "2", "-n", "16", str(model),
+               env_extra={"GGML_SIM_DEVICES": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"expert cache, decode: \d+ layer steps, hit rate \d+\.\d%", run.stdout), run.stdout
 
 
 def test_the_pinned_check_tells_a_whole_pin_from_a_partial_one():

@@ -181,13 +181,11 @@ class _MoeApi:
         if hasattr(self.lib, "llama_moe_get_prefetch_staging_mib"):
             out["prefetch_staging_mib"] = int(self.lib.llama_moe_get_prefetch_staging_mib(self.ctx))
         if hasattr(self.lib, "llama_moe_cache_get_counters"):
+            from pyllama_moe.ffi import cache_counters
+
             # the expert cache's counters since the context was created, summed over its layers, per phase
-            counters = self.ffi.new("struct llama_moe_cache_counters *")
-            fields = [name for name, _ in self.ffi.typeof("struct llama_moe_cache_counters").fields]
             for phase, name in ((0, "cache_prompt"), (1, "cache_decode")):
-                n_layers = int(self.lib.llama_moe_cache_get_counters(self.ctx, -1, phase, counters))
-                out[name] = {f: int(getattr(counters, f)) for f in fields}
-            out["cache_layers"] = n_layers
+                out["cache_layers"], out[name] = cache_counters(self.lib, self.ffi, self.ctx, phase)
             out["cache_bytes"] = int(self.lib.llama_moe_cache_size(self.ctx))
         return out
 

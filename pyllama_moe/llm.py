@@ -1,0 +1,121 @@
+"""llama-cpp-python's `Llama` on a pyllama_moe build: experts kept on the host (`--cpu-moe`, `-ncmoe`) and the
+expert cache in its context, in a few lines (README, "From Python"):
+
+    from pyllama_moe import llm
+    moe = llm.use_build("patched", "cuda")   # before llama_cpp is imported: points it at the build's libllama
+    model = llm.moe_llama("model.gguf", n_gpu_layers=99, cpu_moe=True, moe_cache_mib=7800, n_ctx=4096)
+    print(model("The capital of France is", max_tokens=16, temperature=0)["choices"][0]["text"])
+    print(llm.cache_stats(moe, model)["decode"]["hit_rate"])
+
+`Llama` has no argument for llama.cpp's tensor buffer overrides, which is how `--cpu-moe` keeps experts on the
+host, so `moe_llama` hands them to the model's parameters while it builds the `Llama` (the overrides live as long
+as the object). The cache budget is the process default of llama-moe.h for the moment its context is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+from pyllama_moe import ffi
+from pyllama_moe.errors import UserError
+
+_in_use: ffi.MoeLib | None = None  # the build use_build pointed llama_cpp at
+
+
+def use_build(variant: str = "patched", backend: str = "cpu", *, archive: Path | None = None) -> ffi.MoeLib:
+    """Make `import llama_cpp` load this build's libllama (LLAMA_CPP_LIB_PATH), with the pinned sdist's llama_cpp
+    package where none is installed; returns the build's llama-moe.h functions. Call it before llama_cpp is imported:
+    a library already loaded cannot be swapped."""
+    from pyllama_moe import source
+    from pyllama_moe.build import resolve
+
+    build = resolve(variant, backend, archive=archive, make=False)
+    loaded = sys.modules.get("llama_cpp")
+    if loaded is not None and os.environ.get("LLAMA_CPP_LIB_PATH") != str(build.bin_dir):
+        raise UserError("llama_cpp was imported before pyllama_moe.llm.use_build, with another library",
+                        "call use_build first, in a fresh process")
+    global _in_use
+    moe = ffi.load(build)  # the checked loader: the stamp and the embedded key must name this build
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(build.bin_dir)
+    _in_use = moe
+    try:
+        import llama_cpp  # noqa: F401  (installed: its own package, our library)
+    except ImportError:
+        src = source.ensure_source(None, None)
+        if src.python_dir is None:
+            raise UserError("llama_cpp is not installed and the pinned sdist has no Python package",
+                            "pip install llama-cpp-python==0.3.36 (its library is replaced by the build's)") from None
+        sys.path.insert(0, str(src.python_dir))
+    return moe
+
+
+@contextlib.contextmanager
+def _model_params_with(overrides):
+    """llama_cpp's default model parameters with `overrides` as the tensor buffer overrides, while the block runs."""
+    import llama_cpp.llama_cpp as lc
+
+    default = lc.llama_model_default_params
+
+    def with_overrides():
+        mp = default()
+        mp.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+        return mp
+
+    lc.llama_model_default_params = with_overrides
+    try:
+        yield
+    finally:
+        lc.llama_model_default_params = default
+
+
+def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int = 0, moe_cache_mib: int | None = None,
+              **llama_kwargs):
+    """A `llama_cpp.Llama` whose expert tensors stay on the host (every layer's with cpu_moe, the first n_cpu_moe
+    layers' otherwise) and whose context has an expert cache of moe_cache_mib MiB per GPU (None: the process
+    default, LLAMA_MOE_CACHE_MIB). Other keywords go to `Llama`. Needs `use_build` first."""
+    from llama_cpp import Llama
+
+    from pyllama_moe.worker.model import cpu_overrides
+
+    moe = _in_use
+    if moe is None:
+        raise UserError("no pyllama_moe build is in use", "call pyllama_moe.llm.use_build(...) before moe_llama")
+    if moe_cache_mib is not None and "llama_moe_default_set_moe_cache_mib" not in dir(moe):
+        raise UserError(f"the {moe.build.variant} build has no expert cache", "use_build('patched', ...)")
+    overrides, patterns = cpu_overrides({"cpu_moe": cpu_moe, "n_cpu_moe": n_cpu_moe}, moe.build.bin_dir)
+    previous = moe.llama_moe_default_get_moe_cache_mib() if moe_cache_mib is not None else None
+    with _model_params_with(overrides) if overrides is not None else contextlib.nullcontext():
+        try:
+            if moe_cache_mib is not None:
+                moe.llama_moe_default_set_moe_cache_mib(int(moe_cache_mib))
+            model = Llama(model_path=str(model_path), **llama_kwargs)
+        finally:
+            if previous is not None:
+                moe.llama_moe_default_set_moe_cache_mib(previous)
+    model._pyllama_moe_overrides = (overrides, patterns)  # the model holds a pointer to them
+    return model
+
+
+def cache_stats(moe: ffi.MoeLib, model) -> dict:
+    """The expert cache's counters of a `Llama`'s context per phase ("prompt", "decode"), summed over its layers and
+    per cached layer, with each phase's hit rate (None where nothing was looked up)."""
+    import llama_cpp.llama_cpp as lc
+
+    ctx = moe._ffi.cast("struct llama_context *", ctypes.cast(model.ctx, ctypes.c_void_p).value)
+    n_layer = int(lc.llama_model_n_layer(model.model))
+    out = {}
+    for phase, name in ((0, "prompt"), (1, "decode")):
+        n_layers, total = ffi.cache_counters(moe, moe._ffi, ctx, phase)
+        layers = {}
+        for il in range(n_layer):
+            _, c = ffi.cache_counters(moe, moe._ffi, ctx, phase, il)
+            if c["n_ubatches"]:
+                layers[il] = c
+        looked_up = total["n_hits"] + total["n_misses"] + total.get("n_routed_in_place", 0)
+        out[name] = {**total, "n_layers": n_layers, "layers": layers,
+                     "hit_rate": (total["n_hits"] + total.get("n_routed_in_place", 0)) / looked_up if looked_up else None}
+    return out

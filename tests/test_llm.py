@@ -1,0 +1,61 @@
+"""llama-cpp-python's `Llama` on the patched build through `pyllama_moe.llm` (README, "From Python"): experts kept on
+the host of a SIM device, the expert cache in the context, the same greedy text as without the cache, and the
+cache's counters read back through cffi. Each run is its own process: use_build must come before llama_cpp loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pyllama_moe import models
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
+
+pytestmark = pytest.mark.build
+
+SCRIPT = """
+import json, sys
+from pyllama_moe import llm
+
+moe = llm.use_build("patched", "cpu")
+model = llm.moe_llama(sys.argv[1], n_gpu_layers=99, cpu_moe=True, moe_cache_mib=int(sys.argv[2]), n_ctx=256,
+                      n_threads=2, verbose=False)
+out = model("the", max_tokens=24, temperature=0.0)
+print(json.dumps({"text": out["choices"][0]["text"], "stats": llm.cache_stats(moe, model)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+def _generate(tiny_model, cache_mib: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_CPP_LIB"))}
+    env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model), str(cache_mib)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_llama_with_the_expert_cache_generates_what_it_does_without(patched_build, tiny_model):
+    off, on = _generate(tiny_model, 0), _generate(tiny_model, 2)
+    assert on["text"] == off["text"] and len(off["text"]) > 0
+    assert off["stats"]["decode"]["n_layers"] == 0 and off["stats"]["decode"]["hit_rate"] is None
+    decode = on["stats"]["decode"]
+    assert decode["n_layers"] == 4 and decode["n_ubatches"] >= 4 * 20 and decode["n_misses"] > 0
+    assert 0 < decode["hit_rate"] < 1 and sorted(decode["layers"]) == ["0", "1", "2", "3"]
+    assert sum(layer["n_hits"] for layer in decode["layers"].values()) == decode["n_hits"]
+
+
+def test_use_build_after_llama_cpp_was_imported_with_another_library_is_refused(patched_build):
+    script = ("import os, sys, types; os.environ['LLAMA_CPP_LIB_PATH'] = '/elsewhere'; "
+              "sys.modules['llama_cpp'] = types.ModuleType('llama_cpp')\n"
+              "from pyllama_moe import llm\nfrom pyllama_moe.errors import UserError\n"
+              "try:\n    llm.use_build('patched', 'cpu')\nexcept UserError as e:\n    print('refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "refused: llama_cpp was imported before pyllama_moe.llm.use_build" in proc.stdout, proc.stderr[-2000:]
