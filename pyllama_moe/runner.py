@@ -46,6 +46,7 @@ class RunSpec:
     # after the N-th lookup of the generation (that token is then decoded again), {"read_counters": True} reads the
     # cache's counters at every lookup; mode_logits.py
     lookup_callback: dict | None = None
+    contexts: int = 1  # > 1: that many contexts on the model decode at once (RunResult.contexts; mode_logits.py)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class RunResult:
     stats: dict | None = None
     decode_logits_sha256: str | None = None  # the logits of every generated step after the first, in order
     lookup_callback: dict | None = None  # what the lookup callback saw: "lookups", "stopped_at_step"
+    contexts: list[dict] | None = None  # with RunSpec.contexts > 1: per context "generated", "decode_logits_sha256", "stats"
 
 
 def check_model(path: Path) -> Path:
@@ -92,9 +94,10 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None,
                "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch,
                "moe_cache_mib": spec.moe_cache_mib, "op_offload": spec.op_offload,
-               "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback}
+               "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback, "contexts": spec.contexts}
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
-        logits = np.load(logits_path) if spec.want_logits else None
+        logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None
     return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), log,
-                     reply.get("stats"), reply.get("decode_logits_sha256"), reply.get("lookup_callback"))
+                     reply.get("stats"), reply.get("decode_logits_sha256"), reply.get("lookup_callback"),
+                     reply.get("contexts"))

@@ -3,8 +3,10 @@
 Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
 "prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
-"warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch). Reply: "n_tokens",
-"n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats", "lookup_callback".
+"warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch), "contexts" (N > 1:
+N contexts on the one model decode the prompt and the generation at the same time, one thread each; see
+_parallel_contexts). Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats",
+"lookup_callback", "contexts".
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pyllama_moe.worker.model import loaded_model
 
 
 def run(L, req: dict, lib_dir: Path) -> dict:
+    if int(req.get("contexts") or 1) > 1:
+        return _parallel_contexts(L, req, lib_dir)
     with loaded_model(L, req, lib_dir) as model:
         vocab = L.llama_model_get_vocab(model)
         n_vocab = L.llama_vocab_n_tokens(vocab)
@@ -104,6 +108,70 @@ def run(L, req: dict, lib_dir: Path) -> dict:
             L.llama_batch_free(batch)
             L.llama_free(ctx)
     return reply
+
+
+def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
+    """N contexts on one model, each decoding the prompt and then generating greedily, all at once (one thread each:
+    ctypes lets go of the GIL in llama_decode). What they share is the model's (weights, pinned ranges); each has its
+    own KV memory and expert cache. Per context: "generated", "decode_logits_sha256", "stats" (the expert cache's
+    counters). Only the tokens, the placement knobs, "generate", "n_ubatch", "threads" and "moe_cache_mib" apply."""
+    import threading
+
+    n_ctx_wanted = int(req["contexts"])
+    with loaded_model(L, req, lib_dir) as model:
+        tokens = req["tokens"]
+        n_gen = int(req.get("generate", 0))
+        cp = L.llama_context_default_params()
+        cp.n_ctx = len(tokens) + n_gen + 16
+        cp.n_batch = int(req.get("n_batch", 2048))
+        cp.n_ubatch = int(req.get("n_ubatch", 512))
+        cp.n_threads = cp.n_threads_batch = int(req.get("threads") or 2)
+        cp.no_perf = True
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        ctxs = [L.llama_init_from_model(model, cp) for _ in range(n_ctx_wanted)]
+        try:
+            if not all(ctxs):
+                raise RuntimeError("llama.cpp could not create every context")
+            apis = [_MoeApi(lib_dir, ctx) for ctx in ctxs]
+            if req.get("moe_cache_mib") is not None:
+                for api in apis:
+                    api.lib.llama_moe_set_moe_cache_mib(api.ctx, int(req["moe_cache_mib"]))
+            replies: list[dict | None] = [None] * n_ctx_wanted
+            errors: list[BaseException] = []
+            start = threading.Barrier(n_ctx_wanted)
+
+            def generate(i: int) -> None:
+                batch = L.llama_batch_init(cp.n_batch, 0, 1)
+                try:
+                    start.wait()  # every context starts its prompt at once
+                    last = _decode(L, ctxs[i], batch, tokens, 0, False, cp.n_batch, n_vocab)[-1]
+                    generated, digest = [], hashlib.sha256()
+                    for step in range(n_gen):
+                        tok = int(np.argmax(last))
+                        generated.append(tok)
+                        if step + 1 < n_gen:
+                            last = _decode(L, ctxs[i], batch, [tok], len(tokens) + step, False, cp.n_batch, n_vocab)[-1]
+                            digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
+                    replies[i] = {"generated": generated, "decode_logits_sha256": digest.hexdigest(),
+                                  "stats": apis[i].stats()}
+                except BaseException as exc:  # noqa: BLE001  (re-raised in the main thread)
+                    errors.append(exc)
+                    start.abort()
+                finally:
+                    L.llama_batch_free(batch)
+
+            threads = [threading.Thread(target=generate, args=(i,)) for i in range(n_ctx_wanted)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+        finally:
+            for ctx in ctxs:
+                if ctx:
+                    L.llama_free(ctx)
+    return {"n_tokens": len(tokens), "n_vocab": n_vocab, "contexts": replies}
 
 
 def _detok(L, vocab, tokens: list[int]) -> str:
