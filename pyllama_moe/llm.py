@@ -18,12 +18,16 @@ import contextlib
 import ctypes
 import os
 import sys
+import threading
 from pathlib import Path
 
 from pyllama_moe import ffi
 from pyllama_moe.errors import UserError
 
 _in_use: ffi.MoeLib | None = None  # the build use_build pointed llama_cpp at
+# moe_llama swaps a llama_cpp function and the process default budget while a model loads (seconds, the GIL let go):
+# one load at a time through it; a plain Llama built meanwhile in another thread would see them too
+_loading = threading.Lock()
 
 
 def use_build(variant: str = "patched", backend: str = "cpu", *, archive: Path | None = None) -> ffi.MoeLib:
@@ -87,8 +91,8 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
     if moe_cache_mib is not None and "llama_moe_default_set_moe_cache_mib" not in dir(moe):
         raise UserError(f"the {moe.build.variant} build has no expert cache", "use_build('patched', ...)")
     overrides, patterns = cpu_overrides({"cpu_moe": cpu_moe, "n_cpu_moe": n_cpu_moe}, moe.build.bin_dir)
-    previous = moe.llama_moe_default_get_moe_cache_mib() if moe_cache_mib is not None else None
-    with _model_params_with(overrides) if overrides is not None else contextlib.nullcontext():
+    with _loading, _model_params_with(overrides) if overrides is not None else contextlib.nullcontext():
+        previous = moe.llama_moe_default_get_moe_cache_mib() if moe_cache_mib is not None else None
         try:
             if moe_cache_mib is not None:
                 moe.llama_moe_default_set_moe_cache_mib(int(moe_cache_mib))
@@ -97,12 +101,16 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
             if previous is not None:
                 moe.llama_moe_default_set_moe_cache_mib(previous)
     model._pyllama_moe_overrides = (overrides, patterns)  # the model holds a pointer to them
+    if overrides is not None and model.model_params.tensor_buft_overrides != ctypes.addressof(overrides):
+        raise UserError("llama_cpp.Llama did not take the expert overrides (another llama-cpp-python version?)",
+                        "use llama-cpp-python 0.3.36, the pinned one")
     return model
 
 
 def cache_stats(moe: ffi.MoeLib, model) -> dict:
     """The expert cache's counters of a `Llama`'s context per phase ("prompt", "decode"), summed over its layers and
-    per cached layer, with each phase's hit rate (None where nothing was looked up)."""
+    per cached layer, with the decode hit rate (None where nothing was looked up; a prompt has none: it stages every
+    expert of a layer, so its hits say how full the cache is). Steps read in place count their routed ids as hits."""
     import llama_cpp.llama_cpp as lc
 
     ctx = moe._ffi.cast("struct llama_context *", ctypes.cast(model.ctx, ctypes.c_void_p).value)
@@ -115,7 +123,8 @@ def cache_stats(moe: ffi.MoeLib, model) -> dict:
             _, c = ffi.cache_counters(moe, moe._ffi, ctx, phase, il)
             if c["n_ubatches"]:
                 layers[il] = c
-        looked_up = total["n_hits"] + total["n_misses"] + total.get("n_routed_in_place", 0)
+        hits = total["n_hits"] + total.get("n_routed_in_place", 0)
+        looked_up = hits + total["n_misses"]
         out[name] = {**total, "n_layers": n_layers, "layers": layers,
-                     "hit_rate": (total["n_hits"] + total.get("n_routed_in_place", 0)) / looked_up if looked_up else None}
+                     "hit_rate": hits / looked_up if looked_up and name == "decode" else None}
     return out

@@ -1090,8 +1090,10 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         }
         if (r.in_place) {
             // the phase of the graph (a prompt's last layer may compute a single output row)
+            // the ids the layer routes: its rows (a prompt's last layer may compute only the output rows) x top-k
+            const uint64_t n_routed = r.ids != nullptr ? (uint64_t) ggml_nelements(r.ids) : (uint64_t) r.graph_tokens * l.n_used;
             rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT,
-                    (uint64_t) r.graph_tokens * (uint64_t) l.n_used);
+                    n_routed);
             first_in_place = first_in_place || !l.in_place_bound;
             l.in_place_bound = true;
         } else {

@@ -138,11 +138,12 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
                     api.lib.llama_moe_set_moe_cache_mib(api.ctx, int(req["moe_cache_mib"]))
             replies: list[dict | None] = [None] * n_ctx_wanted
             errors: list[BaseException] = []
-            start = threading.Barrier(n_ctx_wanted)
+            start = threading.Barrier(n_ctx_wanted, timeout=120)  # a thread that never came does not hang the rest
 
             def generate(i: int) -> None:
-                batch = L.llama_batch_init(cp.n_batch, 0, 1)
+                batch = None
                 try:
+                    batch = L.llama_batch_init(cp.n_batch, 0, 1)
                     start.wait()  # every context starts its prompt at once
                     last = _decode(L, ctxs[i], batch, tokens, 0, False, cp.n_batch, n_vocab)[-1]
                     generated, digest = [], hashlib.sha256()
@@ -158,13 +159,21 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
                     errors.append(exc)
                     start.abort()
                 finally:
-                    L.llama_batch_free(batch)
+                    if batch is not None:
+                        L.llama_batch_free(batch)
 
             threads = [threading.Thread(target=generate, args=(i,)) for i in range(n_ctx_wanted)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            try:
+                for t in threads:
+                    t.start()
+            except BaseException:
+                start.abort()  # the started ones give up at the barrier
+                raise
+            finally:
+                # every thread that runs is joined before its context is freed, whatever happens here
+                for t in threads:
+                    while t.is_alive():
+                        t.join(timeout=1)
             if errors:
                 raise errors[0]
         finally:
