@@ -77,8 +77,8 @@ tg|tg-static|tg-skew0)
     # session's 6 rounds ran past the step's limit in the fourth: 4 rounds of ~100 s with the warm-up round
     BENCH_MODEL=$M bench 600 --pin-threads --warmup-rounds 1 --reps 3 --discard 1 --rounds 4 --max-seconds 540 \
         --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --limit-row n_cpu_moe=24 --limit-from baseline \
-        --json "$OUT/device-$step-static.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,24 -lm none,mmap 2>&1 \
-        | tee "$OUT/device-$step-static.txt"
+        --json "$OUT/device-${step%-static}-static.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,24 -lm none,mmap 2>&1 \
+        | tee "$OUT/device-${step%-static}-static.txt"
     ;;
 *)
     echo "unknown step $step: use ops|syncs|tg|tg-static|tg-skew0"; exit 2
