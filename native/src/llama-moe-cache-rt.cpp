@@ -1017,14 +1017,19 @@ static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, con
     return nullptr;
 }
 
-// the user's callback for a graph whose layers look up on the device: stopping it may leave fills undone
-static bool device_user_callback(ggml_tensor * t, bool ask, void * user_data) {
-    llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
-    const bool go_on = rt.user_cb(t, ask, rt.user_data);
-    if (!ask && !go_on) {
+// the user's callback observes node t; in a graph with device lookups, a stop may leave fills undone
+static bool user_observes(llama_moe_cache_rt & rt, ggml_tensor * t) {
+    const bool go_on = rt.user_cb(t, false, rt.user_data);
+    if (!go_on && rt.graph_looks_up_on_device) {
         rt.device_graph_stopped = true;
     }
     return go_on;
+}
+
+// the user's callback for a graph whose layers look up on the device and none plans on the host
+static bool device_user_callback(ggml_tensor * t, bool ask, void * user_data) {
+    llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
+    return ask ? rt.user_cb(t, true, rt.user_data) : user_observes(rt, t);
 }
 
 static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
@@ -1039,11 +1044,7 @@ static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
     if (r != nullptr) {
         plan_route(rt, *r);
     }
-    const bool go_on = rt.user_asked == t && rt.user_wants_it ? rt.user_cb(t, false, rt.user_data) : true;
-    if (!go_on && rt.graph_looks_up_on_device) {
-        rt.device_graph_stopped = true; // device lookups beside host-planned layers: as in device_user_callback
-    }
-    return go_on;
+    return rt.user_asked == t && rt.user_wants_it ? user_observes(rt, t) : true;
 }
 
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
@@ -1090,10 +1091,9 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         }
         if (r.in_place) {
             // the phase of the graph (a prompt's last layer may compute a single output row)
-            // the ids the layer routes: its rows (a prompt's last layer may compute only the output rows) x top-k
-            const uint64_t n_routed = r.ids != nullptr ? (uint64_t) ggml_nelements(r.ids) : (uint64_t) r.graph_tokens * l.n_used;
+            // with the ids the layer routes: its rows (a prompt's last layer may compute only the output rows) x top-k
             rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT,
-                    n_routed);
+                    (uint64_t) ggml_nelements(r.ids));
             first_in_place = first_in_place || !l.in_place_bound;
             l.in_place_bound = true;
         } else {
