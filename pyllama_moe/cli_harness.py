@@ -54,11 +54,13 @@ def cmd_run(args) -> int:
              "logits_sha256": result.logits_sha256, "generated": result.generated, "text": result.text}
     cache_line = ""
     if result.stats:
+        from pyllama_moe.ffi import decode_hit_rate
+
         decode = result.stats["generate"]["cache_decode"]
         reply["cache_decode"] = decode
-        looked_up = decode["n_hits"] + decode["n_misses"] + decode.get("n_routed_in_place", 0)
-        rate = f"{(decode['n_hits'] + decode.get('n_routed_in_place', 0)) / looked_up:.1%}" if looked_up else "n/a"
-        cache_line = f"\nexpert cache, decode: {decode['n_ubatches']} layer steps, hit rate {rate}"
+        rate = decode_hit_rate(decode)
+        rate_text = "n/a" if rate is None else f"{rate:.1%}"
+        cache_line = f"\nexpert cache, decode: {decode['n_ubatches']} layer steps, hit rate {rate_text}"
     print(json.dumps(reply, indent=1) if args.json else f"logits sha256 {result.logits_sha256}\n{result.text}{cache_line}")
     return 0
 

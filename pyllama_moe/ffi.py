@@ -130,3 +130,11 @@ def cache_counters(lib, ffi, ctx, phase: int, il: int = -1) -> tuple[int, dict[s
     out = ffi.new("struct llama_moe_cache_counters *")
     n_layers = int(lib.llama_moe_cache_get_counters(ctx, il, phase, out))
     return n_layers, {name: int(getattr(out, name)) for name, _ in ffi.typeof("struct llama_moe_cache_counters").fields}
+
+
+def decode_hit_rate(counters: dict[str, int]) -> float | None:
+    """The hit rate of decode counters (cache_counters' dict): steps read in place count their routed ids as hits;
+    None where nothing was looked up."""
+    hits = counters["n_hits"] + counters.get("n_routed_in_place", 0)
+    looked_up = hits + counters["n_misses"]
+    return hits / looked_up if looked_up else None

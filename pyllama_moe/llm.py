@@ -123,8 +123,6 @@ def cache_stats(moe: ffi.MoeLib, model) -> dict:
             _, c = ffi.cache_counters(moe, moe._ffi, ctx, phase, il)
             if c["n_ubatches"]:
                 layers[il] = c
-        hits = total["n_hits"] + total.get("n_routed_in_place", 0)
-        looked_up = hits + total["n_misses"]
         out[name] = {**total, "n_layers": n_layers, "layers": layers,
-                     "hit_rate": hits / looked_up if looked_up and name == "decode" else None}
+                     "hit_rate": ffi.decode_hit_rate(total) if name == "decode" else None}
     return out

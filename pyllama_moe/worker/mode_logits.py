@@ -31,15 +31,8 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         if req.get("max_prompt_tokens"):
             tokens = tokens[: int(req["max_prompt_tokens"])]
         n_gen = int(req.get("generate", 0))
-        n_batch = int(req.get("n_batch", 2048))
-        cp = L.llama_context_default_params()
-        cp.n_ctx = int(req.get("n_ctx") or (len(tokens) + n_gen + 16))
-        cp.n_batch = n_batch
-        cp.n_ubatch = int(req.get("n_ubatch", 512))
-        threads = int(req.get("threads") or min(4, os.cpu_count() or 1))
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.no_perf = True
-        cp.op_offload = bool(req.get("op_offload", True))
+        cp = _context_params(L, req, len(tokens) + n_gen)
+        n_batch = cp.n_batch
         keep_cb = None
         watch = _LookupWatch(L, lib_dir, req["lookup_callback"]) if req.get("lookup_callback") else None
         if watch and req.get("eval_callback"):
@@ -80,24 +73,8 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 logits = np.ascontiguousarray(logits, dtype=np.float32)
                 np.save(req["logits_out"], logits)
                 reply["logits_sha256"] = hashlib.sha256(logits.tobytes()).hexdigest()
-            generated = []
-            last = logits[-1]
-            # the logits of every decode step, hashed in order: the text alone misses a change that flips no argmax
-            decode_digest = hashlib.sha256()
-            for step in range(n_gen):
-                tok = int(np.argmax(last))
-                generated.append(tok)
-                if step + 1 < n_gen:
-                    pos = len(tokens) + step
-                    last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
-                    if watch and watch.take_stop(step):
-                        # the stopped graph's logits and KV entries are unfinished: forget the token, decode it again
-                        if not L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, pos, -1):
-                            raise RuntimeError(f"the context's memory cannot forget position {pos} to decode it again")
-                        last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
-                    decode_digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
-            reply["generated"] = generated
-            reply["decode_logits_sha256"] = decode_digest.hexdigest()
+            generated, digest = _greedy(L, ctx, batch, logits[-1], len(tokens), n_gen, n_batch, n_vocab, watch)
+            reply["generated"], reply["decode_logits_sha256"] = generated, digest
             if moe and req.get("stats"):
                 reply["stats"]["generate"] = moe.stats()
             if watch:
@@ -114,19 +91,15 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
     """N contexts on one model, each decoding the prompt and then generating greedily, all at once (one thread each:
     ctypes lets go of the GIL in llama_decode). What they share is the model's (weights, pinned ranges); each has its
     own KV memory and expert cache. Per context: "generated", "decode_logits_sha256", "stats" (the expert cache's
-    counters). Only the tokens, the placement knobs, "generate", "n_ubatch", "threads" and "moe_cache_mib" apply."""
+    counters). Only the tokens, the placement knobs, the context parameters (_context_params), "generate" and
+"moe_cache_mib" apply."""
     import threading
 
     n_ctx_wanted = int(req["contexts"])
     with loaded_model(L, req, lib_dir) as model:
         tokens = req["tokens"]
         n_gen = int(req.get("generate", 0))
-        cp = L.llama_context_default_params()
-        cp.n_ctx = len(tokens) + n_gen + 16
-        cp.n_batch = int(req.get("n_batch", 2048))
-        cp.n_ubatch = int(req.get("n_ubatch", 512))
-        cp.n_threads = cp.n_threads_batch = int(req.get("threads") or 2)
-        cp.no_perf = True
+        cp = _context_params(L, req, len(tokens) + n_gen)
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
         ctxs = [L.llama_init_from_model(model, cp) for _ in range(n_ctx_wanted)]
         try:
@@ -146,15 +119,8 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
                     batch = L.llama_batch_init(cp.n_batch, 0, 1)
                     start.wait()  # every context starts its prompt at once
                     last = _decode(L, ctxs[i], batch, tokens, 0, False, cp.n_batch, n_vocab)[-1]
-                    generated, digest = [], hashlib.sha256()
-                    for step in range(n_gen):
-                        tok = int(np.argmax(last))
-                        generated.append(tok)
-                        if step + 1 < n_gen:
-                            last = _decode(L, ctxs[i], batch, [tok], len(tokens) + step, False, cp.n_batch, n_vocab)[-1]
-                            digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
-                    replies[i] = {"generated": generated, "decode_logits_sha256": digest.hexdigest(),
-                                  "stats": apis[i].stats()}
+                    generated, digest = _greedy(L, ctxs[i], batch, last, len(tokens), n_gen, cp.n_batch, n_vocab)
+                    replies[i] = {"generated": generated, "decode_logits_sha256": digest, "stats": apis[i].stats()}
                 except BaseException as exc:  # noqa: BLE001  (re-raised in the main thread)
                     errors.append(exc)
                     start.abort()
@@ -181,6 +147,41 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
                 if ctx:
                     L.llama_free(ctx)
     return {"n_tokens": len(tokens), "n_vocab": n_vocab, "contexts": replies}
+
+
+def _context_params(L, req: dict, n_tokens: int):
+    """The request's context parameters, for n_tokens of prompt and generation: "n_ctx" (default n_tokens + 16),
+    "n_batch", "n_ubatch", "threads", "op_offload"."""
+    cp = L.llama_context_default_params()
+    cp.n_ctx = int(req.get("n_ctx") or (n_tokens + 16))
+    cp.n_batch = int(req.get("n_batch", 2048))
+    cp.n_ubatch = int(req.get("n_ubatch", 512))
+    cp.n_threads = cp.n_threads_batch = int(req.get("threads") or min(4, os.cpu_count() or 1))
+    cp.no_perf = True
+    cp.op_offload = bool(req.get("op_offload", True))
+    return cp
+
+
+def _greedy(L, ctx, batch, last, start_pos: int, n_gen: int, n_batch: int, n_vocab: int,
+            watch=None) -> tuple[list[int], str]:
+    """n_gen tokens by argmax from the logits row `last`, the first at start_pos; returns them and the sha256 of the
+    logits of every decode step, in order (the text alone misses a change that flips no argmax). With a
+    _LookupWatch that stopped a step's graph, that token is forgotten and decoded again."""
+    generated = []
+    digest = hashlib.sha256()
+    for step in range(n_gen):
+        tok = int(np.argmax(last))
+        generated.append(tok)
+        if step + 1 < n_gen:
+            pos = start_pos + step
+            last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
+            if watch and watch.take_stop(step):
+                # the stopped graph's logits and KV entries are unfinished: forget the token, decode it again
+                if not L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, pos, -1):
+                    raise RuntimeError(f"the context's memory cannot forget position {pos} to decode it again")
+                last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
+            digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
+    return generated, digest.hexdigest()
 
 
 def _detok(L, vocab, tokens: list[int]) -> str:
