@@ -454,7 +454,7 @@ def test_staging_flag_and_bench_dimension(patched_build, qwen3moe):
     proc = subprocess.run([str(patched_build.tool("llama-completion")), "-m", str(qwen3moe[0]), "-p", "hello", "-n", "1",
                            "-ub", "512", "-cmoe", "--fit", "off", "--no-repack", "-t", "2", "-no-cnv",
                            "--sched-prefetch", "2", "--sched-prefetch-staging", "2", "-v"],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, errors="replace", timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "budget 2.00 MiB)" in _reservation_line(proc.stderr), proc.stderr[-3000:]
     bench = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(qwen3moe[0]), "-p", "256", "-n", "0",
