@@ -21,15 +21,6 @@ step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|tg|tg-whole}
 . "$(dirname "$0")/common.sh"
 CACHE_MIB=${CACHE_MIB:-7800}
 
-skew_model() { # the Qwen3-30B-A3B shape with routing skew 0.5, written once
-    local m=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
-    if [ ! -f "$m" ]; then
-        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$m.partial" --quiet \
-            < /dev/null >&2 && mv "$m.partial" "$m" >&2 || return 1
-    fi
-    echo "$m"
-}
-
 case $step in
 identity)
     wait_builds 300 || exit 1

@@ -29,6 +29,15 @@ make_bench_model() { # the 30B-shaped Q4_0 model (17 GB), unless it is there; no
         && mv "$MODEL.partial" "$MODEL" || { echo "synth of $MODEL failed"; return 1; }
 }
 
+skew_model() { # the Qwen3-30B-A3B shape with routing skew 0.5, written once
+    local m=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
+    if [ ! -f "$m" ]; then
+        python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$m.partial" --quiet \
+            < /dev/null >&2 && mv "$m.partial" "$m" >&2 || return 1
+    fi
+    echo "$m"
+}
+
 bench() { # $1: seconds at most, then pyllama-moe bench arguments; the model is BENCH_MODEL, else the 30B one
     local limit=$1; shift
     timeout "$limit" python3 -m pyllama_moe bench --model "${BENCH_MODEL:-$MODEL}" --backend cuda --archive-dir $A "$@"

@@ -23,9 +23,10 @@ case $step in
 ops)
     wait_builds 300 || exit 1
     P=$(patched_bin)
-    for op in MOE_CACHE_LOOKUP MOE_CACHE_FILL; do
+    # OPS / OPS_TOOLS narrow a rerun (the tenth session: memcheck of the lookup only, the rest was clean in the ninth)
+    for op in ${OPS:-MOE_CACHE_LOOKUP MOE_CACHE_FILL}; do
         timeout 120 "$P/test-backend-ops" -b CUDA0 -o $op 2>&1 | tee "$OUT/ops-$op.txt" | tail -3
-        for tool in memcheck racecheck; do
+        for tool in ${OPS_TOOLS:-memcheck racecheck}; do
             api=(); [ $tool = memcheck ] && api=(--report-api-errors no)
             timeout 300 compute-sanitizer --tool $tool "${api[@]}" --error-exitcode 9 "$P/test-backend-ops" -b CUDA0 -o $op \
                 > "$OUT/ops-$op-$tool.txt" 2>&1
@@ -63,8 +64,7 @@ tg|tg-static|tg-skew0)
     if [ "$step" = tg-skew0 ]; then
         M=$MODEL
     else
-        M=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
-        [ -f "$M" ] || python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$M" --quiet
+        M=$(skew_model) || exit 1
     fi
     if [ "$step" = tg ]; then
         # against master, paced (both builds loaded, repetitions alternating: decode rows drift between processes)
@@ -74,8 +74,9 @@ tg|tg-static|tg-skew0)
     fi
     # both load modes, and the cache's -ncmoe 48 rows against master's static -ncmoe 24 (the same bytes on the GPU
     # placed by layer) in the same rounds (--limit-from baseline; a paced run measures one test only). The ninth
-    # session's 6 rounds ran past the step's limit in the fourth: 4 rounds of ~100 s with the warm-up round
-    BENCH_MODEL=$M bench 600 --pin-threads --warmup-rounds 1 --reps 3 --discard 1 --rounds 4 --max-seconds 540 \
+    # session's 6 rounds ran past the step's limit in the fourth: a round is ~100 s. No warm-up round: the model was
+    # just written (in the page cache) and the ninth session's warm-up round ran as fast as the measured ones
+    BENCH_MODEL=$M bench 480 --pin-threads --warmup-rounds 0 --reps 3 --discard 1 --rounds 4 --max-seconds 380 \
         --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --limit-row n_cpu_moe=24 --limit-from baseline \
         --json "$OUT/device-${step%-static}-static.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,24 -lm none,mmap 2>&1 \
         | tee "$OUT/device-${step%-static}-static.txt"
