@@ -144,7 +144,7 @@ class Harness:
         if cell.candidate == "patched" and cell.backend != "cpu" and cell.load == "mmap" and cell.offload != "all":
             checks.append(pin_check(cand.log, budget_mib=_float_or_none(env.get("LLAMA_MOE_PIN_BUDGET_MIB"))))
         if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
-            checks.append(prefetch_check(cell, env, cand.stats))
+            checks.append(prefetch_check(cell, env, cand.stats, cand.log))
         if cell.candidate == "patched" and cell.backend != "cpu" and int(env.get("LLAMA_MOE_CACHE_MIB", "0")) > 0:
             prefetch = env.get("GGML_SCHED_PREFETCH", "1")
             ahead = ubatches_ahead(cell, env) if prefetch == "2" or (prefetch == "1" and cell.backend == "cuda") else 0
@@ -211,19 +211,25 @@ class Harness:
         return Check("perplexity", same, detail)
 
 
-def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None) -> Check:
+def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None, log: str = "") -> Check:
     """The prefetch really took its path: prompt ubatches of at least min_batch tokens uploaded host weights
     ahead; a context whose ubatches are all smaller has no staging arena at all (nothing would be uploaded ahead
-    into it), and one with larger ubatches but a shorter prompt has the arena and uploads nothing ahead."""
+    into it), and one with larger ubatches but a shorter prompt has the arena and uploads nothing ahead. An expert
+    cache that filled every cached layer whole when it was made (by the candidate's log) leaves no host weight for a
+    GPU split to read in the cells' placements (only experts are on the host, all of them cached and read in place):
+    no arena, nothing uploaded."""
     prompt = (stats or {}).get("prompt", {})
     min_batch = prefetch_min_batch(env)
-    staging = cell.ubatch >= min_batch
+    cached = prompt.get("cache_layers", 0)
+    all_in_place = cached > 0 and filled_whole_layers(log) == cached
+    staging = cell.ubatch >= min_batch and not all_in_place
     ahead = staging and cell.prompt_tokens >= min_batch
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
     # the expert cache writes the staged copies of its layers' experts itself, uploads the scheduler leaves out
     uploads += prompt.get("cache_prompt", {}).get("n_misses", 0)
     ok = (arena > 0) == staging and (uploads > 0) == ahead
-    return Check("prefetch", ok, {"expect_staging": staging, "expect_uploads_ahead": ahead, **prompt})
+    return Check("prefetch", ok, {"expect_staging": staging, "expect_uploads_ahead": ahead, "all_in_place": all_in_place,
+                                  **prompt})
 
 
 def prefetch_min_batch(env: dict[str, str]) -> int:
@@ -286,8 +292,16 @@ CACHE_MADE = re.compile(r"llama_moe: expert cache on (\S+): ([0-9.]+) MiB, (\d+)
 CACHE_DECODE = re.compile(r"llama_moe: expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses.*, (\d+) read in place")
 CACHE_DEVICE = re.compile(r"llama_moe: expert cache on (\S+): decode looks up its slots and fills its misses on the device")
 CACHE_HOST = re.compile(r"llama_moe: expert cache on (\S+): decode plans (\d+) of (\d+) layers on the host")
+CACHE_FILLED_WHOLE = re.compile(r"llama_moe: expert cache: (\d+) layers? with a slot per expert filled whole")
 CACHE_PROMPT = re.compile(r"llama_moe: expert cache, prompts: (\d+) layer steps, (\d+) experts read from the banks, "
                           r"(\d+) uploaded \([0-9.]+ MiB\), (\d+) made resident.*, (\d+) read in place")
+
+
+def filled_whole_layers(log: str) -> int:
+    """The layers a context's expert cache filled whole when it was made (one line for all of its devices), by its
+    log; 0 where it filled none."""
+    m = CACHE_FILLED_WHOLE.search(log)
+    return int(m.group(1)) if m else 0
 
 
 def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None) -> Check:
@@ -298,10 +312,11 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
     so the text was computed from the banks; and where prompt ubatches uploaded ahead, the cache staged their
     experts and made some resident, reading residents from the banks from the second such ubatch on.
 
-    A cache with a slot per expert (whole): layers read in place once every expert is resident, and where a prompt
-    ubatch uploaded ahead it made experts resident. (Decode may still miss: on two devices op offload may stage a
-    layer on the other device than its banks, whose prompt fills then go from the host and admit nothing.) Only a
-    device with a slot per expert in some layer may read layers in place.
+    A cache with a slot per expert (whole): layers read in place; filled whole when made, no prompt ubatch had an
+    expert left to make resident; filled as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), once every expert is resident, and
+    where a prompt ubatch uploaded ahead it made experts resident. (Decode may still miss: on two devices op offload
+    may stage a layer on the other device than its banks, whose prompt fills then go from the host and admit
+    nothing.) Only a device with a slot per expert in some layer may read layers in place.
 
     want_device: decode looks its slots up on every device (True: the default where the backend has the lookup ops),
     or plans on the host there (False: LLAMA_MOE_CACHE_DEVICE=0); None: either."""
@@ -313,17 +328,21 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
     in_place = sum(d[3] for d in decode) + sum(p[4] for p in prompt)
     p_steps, p_reads, p_fills = (sum(p[i] for p in prompt) for i in (0, 1, 3))
     whole = bool(made) and all(int(m[3]) == int(m[5]) for m in made)
+    filled_whole = filled_whole_layers(log)
     some_whole = any(int(m[4]) == int(m[5]) for m in made)
     on_device = {m.group(1) for m in CACHE_DEVICE.finditer(log)}
     on_host = {m.group(1) for m in CACHE_HOST.finditer(log)}
     devices = [m[0] for m in made]
     decode_path = "device" if devices and on_device >= set(devices) else "host" if devices and on_host >= set(devices) \
         else "mixed"
-    detail = {"devices": devices, "decode_path": decode_path, "whole": whole, "layer_steps": steps,
+    detail = {"devices": devices, "decode_path": decode_path, "whole": whole, "filled_whole": filled_whole,
+              "layer_steps": steps,
               "hits": sum(d[1] for d in decode),
               "misses": misses, "in_place": in_place, "prompt_ubatches_ahead": ubatches_ahead,
               "prompt_layer_steps": p_steps, "prompt_reads": p_reads, "prompt_fills": p_fills}
-    if whole:
+    if whole and filled_whole:
+        ok = in_place > 0 and p_fills == 0
+    elif whole:
         ok = in_place > 0 and (ubatches_ahead == 0 or p_fills > 0)
     else:
         prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and \

@@ -43,7 +43,8 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         expected |= {"prefetch"} if sim and knobs.startswith(("prefetch", "moe-cache")) else set()
         # with the expert cache on, banks were made, decode read them (on the device, or with moe-cache-host through
         # the host-side plan), and prompts that upload ahead staged through it
-        expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole") else set()
+        expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole",
+                                           "moe-cache-whole-routed") else set()
         assert set(checks) == expected and all(c["identical"] for c in checks.values())
         assert checks["logits"]["detail"]["positions"] == 600
         generate = cell["cell"]["generate"]
@@ -63,8 +64,8 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
             assert checks["cache"]["detail"]["decode_path"] == want
             continue
         if name == "control/sim-moe-cache-whole-stale":
-            # the 3rd fill, left stale, is a prompt admit of a whole layer, read in place by the later ubatches
-            assert checks["cache"]["identical"] and checks["cache"]["detail"]["whole"]
+            # the 3rd fill, left stale, is one of layer 0's when the cache was filled whole, read in place by every graph
+            assert checks["cache"]["identical"] and checks["cache"]["detail"]["filled_whole"] == 4
         assert not checks["logits"]["identical"]
         assert checks["logits"]["detail"]["first_diff_pos"] is not None
     repack = next(c for c in controls["control/repack-on-vs-off"]["checks"] if c["name"] == "logits")["detail"]
@@ -158,7 +159,7 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
                "0 on the staging path, 328.11 MiB uploaded in 9636 copies, 0 read in place")
     check = cache_check(made + "\n" + summary)
     assert check.identical and check.detail == {"devices": ["SIM0"], "decode_path": "mixed", "whole": False,
-                                                "layer_steps": 1198, "hits": 1498, "misses": 3294, "in_place": 0,
+                                                "filled_whole": 0, "layer_steps": 1198, "hits": 1498, "misses": 3294, "in_place": 0,
                                                 "prompt_ubatches_ahead": 0, "prompt_layer_steps": 0, "prompt_reads": 0,
                                                 "prompt_fills": 0}
     # the decode path the cell asked for, by the context's line per device: a cell that wanted the device lookup and
@@ -218,4 +219,26 @@ def test_the_cache_check_of_a_whole_cache_wants_layers_read_in_place():
     small = other.replace("SIM1", "SIM0")
     assert not cache_check("\n".join([small, other, missed, prompts.replace("0 experts read", "8 experts read")]),
                            ubatches_ahead=2).identical
+
+
+def test_the_cache_check_of_a_cache_filled_whole_wants_nothing_left_to_admit():
+    from pyllama_moe.compare import cache_check
+
+    made = ("0.01 I llama_moe: expert cache on SIM0: 6.39 MiB, 4 MoE layers with their experts on the host, 16-16 of 16 "
+            "expert slots each; graphs of up to 8 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX); 4 layers with a slot "
+            "per expert, read in place (filled whole now)")
+    filled = ("0.01 I llama_moe: expert cache: 4 layers with a slot per expert filled whole, 6.38 MiB in 0.01 s (0.7 GB/s); "
+              "LLAMA_MOE_CACHE_FILL_WHOLE=0 fills them as decode routes to them")
+    decode = ("0.02 I llama_moe: expert cache, decode: 36 layer steps, 0 hits, 0 misses (hit rate 0.0%), 0 on the "
+              "staging path, 0.00 MiB uploaded in 0 copies, 36 read in place")
+    prompts = ("0.02 I llama_moe: expert cache, prompts: 16 layer steps, 0 experts read from the banks, 0 uploaded "
+               "(0.00 MiB), 0 made resident, 0.00 MiB copied on the device, 0 copies, 16 read in place")
+    check = cache_check("\n".join([made, filled, decode, prompts]), ubatches_ahead=4)
+    assert check.identical and check.detail["filled_whole"] == 4 and check.detail["in_place"] == 52
+    # filled whole, yet a prompt made experts resident: the layers were not whole after all
+    assert not cache_check("\n".join([made, filled, decode, prompts.replace("0 made", "8 made")]), ubatches_ahead=4).identical
+    assert not cache_check("\n".join([made, filled, decode.replace("36 read", "0 read"),
+                                      prompts.replace("16 read", "0 read")]), ubatches_ahead=4).identical
+    # without the line the same prompt counters are those of a cache filled as routed whose prompt admitted nothing
+    assert not cache_check("\n".join([made, decode, prompts]), ubatches_ahead=4).identical
 

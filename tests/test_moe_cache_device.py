@@ -178,3 +178,33 @@ def test_a_stop_in_a_graph_that_mixes_device_lookups_and_host_plans_leaves_no_st
     assert got.lookup_callback["stopped_at_step"] is not None
     assert got.log.count(STOPPED) == 1
     assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+
+
+# From the cold read of the fill whole (tenth session): a cache whose first layers have a slot per expert and whose
+# last ones one slot fewer (the sizing hands the remainder out in layer order). The tiny qwen3moe with 12 layers:
+# 19 MiB gives 190 of its 192 expert slots, so layers 0-9 are filled whole and layers 10-11 look up on the device
+DEEP_LAYERS, DEEP_MIB = 12, 19
+FILLED_WHOLE = re.compile(r"expert cache: (\d+) layers? with a slot per expert filled whole")
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    return models.ensure_model("qwen3moe-12", {**load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"],
+                                               "layers": DEEP_LAYERS})
+
+
+def test_a_stop_after_a_lookup_keeps_the_layers_filled_whole(patched_build, src, deep_model):
+    # the stop empties the layers that look up on the device (their fills may not have run); the layers filled whole
+    # ran no lookup and no fill, so they stay as they are: not uploaded again (before the fix: all 10 again, a second
+    # "filled whole" line), and the decode still computes the reference's logits
+    reference = _run(patched_build, src, deep_model, {"LLAMA_MOE_CACHE_MIB": "0"})
+    got = _run(patched_build, src, deep_model, {"LLAMA_MOE_CACHE_MIB": str(DEEP_MIB)}, lookup_callback={"stop_at": 2 * 5 + 1})
+    assert "10-16 of 16 expert slots" not in got.log and re.search(r"15-16 of 16 expert slots", got.log), got.log[-3000:]
+    assert [int(n) for n in FILLED_WHOLE.findall(got.log)] == [10]
+    assert got.lookup_callback["stopped_at_step"] == 5
+    assert got.log.count(STOPPED + " (but for the layers filled whole)") == 1
+    assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+    d = got.stats["generate"]["cache_decode"]
+    # the whole layers' steps, all read in place; the other two layers' steps looked up
+    assert d["n_in_place"] > 0 and d["n_misses"] > 0
+

@@ -2,7 +2,9 @@
 the cache write the staged copies of its layers' experts, copying the residents from the banks and uploading only
 the others, and filling free slots with what it uploaded. The computation reads the staged copies, so the logits are
 those of the cache off; what moved over which path is in the prompt counters. A cache with a slot per expert holds
-each expert in its own slot, and once they are all resident the graphs read the banks in place."""
+each expert in its own slot, and once they are all resident the graphs read the banks in place. These tests fill such
+a cache as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), the path of the prompt's admits; the last one fills it whole when
+made, the default."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +14,8 @@ from pyllama_moe.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
 # GGML_SCHED_PREFETCH=2: SIM devices upload ahead (the default mode is for CUDA-family devices alone)
-SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50", "GGML_SCHED_PREFETCH": "2"}
+SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50", "GGML_SCHED_PREFETCH": "2",
+           "LLAMA_MOE_CACHE_FILL_WHOLE": "0"}
 PROMPT = [(i * 7919) % 4000 + 16 for i in range(512)]
 UBATCH = 128  # the prefetch's min batch: 4 prompt ubatches, each uploading ahead
 N_UBATCHES = len(PROMPT) // UBATCH
@@ -167,3 +170,25 @@ def test_a_layer_staged_in_part_keeps_no_admit(patched_build, src, gpt_oss):
     assert "expert cache on SIM0" in got.log
     assert got.stats["prompt"]["cache_prompt"]["n_ubatches"] > 0  # the biases were staged through the cache
     _same(got, ref)
+
+
+def test_a_cache_with_a_slot_per_expert_filled_whole_when_made_is_read_in_place_throughout(patched_build, src, model,
+                                                                                            reference):
+    # the default: each layer's 16 experts copied into their slots when the cache is made, so the prompt's ubatches and
+    # the decode read every layer in place from the first graph: the cache plans, stages and uploads nothing, and the
+    # scheduler uploads no expert either
+    whole = {"LLAMA_MOE_CACHE_FILL_WHOLE": "1"}
+    got = _run(patched_build, src, model, 8, whole)
+    assert "; 4 layers with a slot per expert, read in place (filled whole now)" in got.log
+    assert "expert cache: 4 layers with a slot per expert filled whole, 6.38 MiB in " in got.log
+    _same(got, reference)
+    p, d = got.stats["prompt"]["cache_prompt"], got.stats["generate"]["cache_decode"]
+    assert p["n_in_place"] == p["n_ubatches"] == N_UBATCHES * N_LAYERS
+    assert p["n_misses"] == p["n_fills"] == p["bytes_uploaded"] == 0
+    assert d["n_in_place"] == d["n_ubatches"] > 0 and d["n_hits"] == d["n_misses"] == 0
+    assert got.stats["prompt"]["prefetch_upload_bytes"] == 0
+    # the planted stale slot applies to these fills too: the 3rd (layer 0's expert 2) is left out, and the prompt's
+    # logits change
+    stale = _run(patched_build, src, model, 8, {**whole, "LLAMA_MOE_CACHE_DEBUG_SKIP_FILL": "3"})
+    assert stale.stats["prompt"]["cache_prompt"]["n_in_place"] == N_UBATCHES * N_LAYERS
+    assert stale.logits_sha256 != reference.logits_sha256

@@ -8,14 +8,14 @@
 #   pp-master  pp4096 at ub 512 with the cache at a quarter of the expert bytes (3900 MiB) against master, -lm none
 #              and mmap
 #   pp-off     pp512 and pp4096 at ub 512 and 2048 against the same build with the cache off
-#   pp-32k     a 32k-token prompt at ub 2048 with the cache holding every expert (17000 MiB: read in place once the
-#              first ubatch made them resident) as a share of the all-on-GPU row of the same run (the patched build
+#   pp-32k     a 32k-token prompt at ub 2048 with the cache holding every expert (17000 MiB: filled whole when made,
+#              read in place) as a share of the all-on-GPU row of the same run (the patched build
 #              against itself, the cache off as the baseline: master would take minutes)
 #   tg         tg128 with every expert on the host, the Qwen3-30B-A3B shape with routing skew 0.5, the cache at half
 #              the expert bytes (LLAMA_MOE_CACHE_MIB, default 7800 of 16.3 GB) against master, paced, with
 #              intervals; then one llama-completion run for the hit rate of the context's summary line
-#   tg-whole   tg128 with every expert cached (read in place once resident) as a share of all on the GPU, the
-#              cold first repetition apart
+#   tg-whole   tg128 with every expert cached (filled whole when made, read in place) as a share of all on the
+#              GPU, the cold first repetition apart; then filled as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), report only
 set -uo pipefail
 step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|tg|tg-whole}
 . "$(dirname "$0")/common.sh"
@@ -73,15 +73,24 @@ tg)
     grep -E "llama_moe: (expert cache|no expert)" "$OUT/cache-hit-rate.txt"
     ;;
 tg-whole)
-    # issue 13: every expert cached (17000 MiB), decode looking up on the device and reading the banks in place once
-    # every expert is resident, as a share of all on the GPU in the same run (the patched build against itself, the
-    # cache off as the baseline; a paced run measures one test, the share needs two rows). Warmed by the first
-    # repetition of each process (128 tokens, discarded): its speed and hit rate are the cold pass, in the JSON
+    # issue 13: every expert cached (17000 MiB), as a share of all on the GPU in the same run (the patched build
+    # against itself, the cache off as the baseline; a paced run measures one test, the share needs two rows). The
+    # default fills each layer whole when the cache is made (the tenth session's fill-as-routed run reached 0.65): the
+    # first repetition of each process (128 tokens, discarded) is the cold pass, its speed and hit rate in the JSON,
+    # the fill's time in cache-whole-fill.txt. Then the fill as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), 8 repetitions
+    # a process, for the warming curve (report only)
     wait_builds 60 || exit 1
     M=$(skew_model) || exit 1
-    BENCH_MODEL=$M bench 420 --baseline patched --candidate patched --pin-threads --warmup-rounds 0 --reps 4 --discard 1 \
-        --rounds 4 --max-seconds 360 --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
+    P=$(patched_bin)
+    LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} timeout 120 "$P/llama-bench" -v -m "$M" -p 0 -n 16 -r 1 -ngl 99 -ncmoe 48 -lm none 2>&1 \
+        | grep -E "llama_moe|tg16" > "$OUT/cache-whole-fill.txt"; cat "$OUT/cache-whole-fill.txt"
+    BENCH_MODEL=$M bench 300 --baseline patched --candidate patched --pin-threads --warmup-rounds 0 --reps 4 --discard 1 \
+        --rounds 4 --max-seconds 240 --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
         --json "$OUT/cache-tg128-whole.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm none 2>&1 | tee "$OUT/cache-tg128-whole.txt"
+    BENCH_MODEL=$M bench 200 --baseline patched --candidate patched --pin-threads --warmup-rounds 0 --reps 8 --discard 1 \
+        --rounds 2 --max-seconds 150 --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
+        --candidate-env LLAMA_MOE_CACHE_FILL_WHOLE=0 --json "$OUT/cache-tg128-whole-routed.json" \
+        -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm none 2>&1 | tee "$OUT/cache-tg128-whole-routed.txt"
     ;;
 *)
     echo "unknown step $step: use identity|pp|pp-master|pp-off|pp-32k|tg|tg-whole"; exit 2

@@ -280,6 +280,16 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
     return true;
 }
 
+// LLAMA_MOE_CACHE_FILL_WHOLE=0: a layer with a slot per expert fills as its experts are routed, as a smaller cache
+// does, instead of whole when the cache is made (for the cold path's measurements and tests); read once
+static bool fill_whole_on() {
+    static const bool on = llama_moe_env_whole("LLAMA_MOE_CACHE_FILL_WHOLE", 0, 1) != 0;
+    return on;
+}
+
+static void fill_whole_layers(llama_moe_cache_rt & rt);
+static void planner_takes(rt_layer & l);
+
 static void choose_device_lookup(llama_moe_cache_rt & rt);
 
 llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends,
@@ -385,10 +395,10 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 }
                 // which graphs read the banks: through the plan up to decode_max tokens; layers with a slot per
                 // expert at every size once all their experts are resident (llama-moe-cache-rt.h, "In place")
-                char whole[96] = "";
+                char whole[128] = "";
                 if (n_whole > 0) {
-                    snprintf(whole, sizeof(whole), "; %d layer%s with a slot per expert, read in place once resident",
-                            n_whole, n_whole > 1 ? "s" : "");
+                    snprintf(whole, sizeof(whole), "; %d layer%s with a slot per expert, read in place %s", n_whole,
+                            n_whole > 1 ? "s" : "", fill_whole_on() ? "(filled whole now)" : "once resident (LLAMA_MOE_CACHE_FILL_WHOLE=0)");
                 }
                 LLAMA_LOG_INFO("llama_moe: expert cache on %s: %.2f MiB, %d MoE layers with their experts on the host, "
                         "%d-%d of %d expert slots each; graphs of up to %d tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)%s\n",
@@ -433,7 +443,54 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     rt->plan = std::make_unique<llama_moe_cache>(kept_descs, kept_sizing);
     rt->plan->debug_skip_fill = llama_moe_cache_debug_skip_fill();
     choose_device_lookup(*rt);
+    fill_whole_layers(*rt);
     return rt.release();
+}
+
+// Makes the layers with a slot per expert whole before a graph reads them. Such a layer never evicts, so each expert
+// its tokens route is uploaded once anyway; filled as routed, a rarely routed expert keeps the layer from being read
+// in place for thousands of tokens, and every decode step of it pays the lookup and its fills meanwhile (the tenth
+// session on the H200, every expert cached: 0.65 of the all-on-GPU rate over the first 512 tokens, 0.78 in the last
+// 128 of them). One upload per run of missing experts and tensor, on the calling thread; nothing may be computing
+// on the banks (the cache was just made, or settle synchronized).
+static void fill_whole_layers(llama_moe_cache_rt & rt) {
+    if (!fill_whole_on()) {
+        return;
+    }
+    const int64_t t_start = ggml_time_us();
+    size_t  bytes    = 0;
+    int32_t n_layers = 0;
+    std::vector<llama_moe_cache_fill> fills;
+    for (rt_layer & l : rt.layers) {
+        if (l.n_slots != l.n_expert || !rt.plan->fill_whole(l.il, fills) || fills.empty()) {
+            continue;
+        }
+        planner_takes(l);
+        // slot e is expert e: a run of consecutive experts is one range of the bank and of the host tensor
+        for (size_t i = 0; i < fills.size();) {
+            size_t j = i + 1;
+            while (j < fills.size() && fills[j].expert == fills[j - 1].expert + 1) {
+                j++;
+            }
+            for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+                if (l.g.bank[k] == nullptr) {
+                    continue;
+                }
+                const size_t nb     = l.g.host[k]->nb[expert_dim(k)];
+                const size_t offset = (size_t) fills[i].expert * nb;
+                ggml_backend_tensor_set(l.g.bank[k], (const char *) l.g.host[k]->data + offset, offset, (j - i) * nb);
+                bytes += (j - i) * nb;
+            }
+            i = j;
+        }
+        n_layers++;
+    }
+    if (n_layers > 0) {
+        const double s = (ggml_time_us() - t_start) / 1e6;
+        LLAMA_LOG_INFO("llama_moe: expert cache: %d layer%s with a slot per expert filled whole, %.2f MiB in %.2f s (%.1f GB/s); "
+                "LLAMA_MOE_CACHE_FILL_WHOLE=0 fills them as decode routes to them\n", n_layers, n_layers > 1 ? "s" : "",
+                mib(bytes), s, s > 0 ? bytes / s / 1e9 : 0.0);
+    }
 }
 
 // LLAMA_MOE_CACHE_DEVICE=0: decode plans on the host even where the device could look its slots up; read once
@@ -690,17 +747,22 @@ void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
         rt->device_graph_stopped = false; // the planted fault: the state keeps slots whose fills may not have run
     }
     if (rt != nullptr && rt->device_graph_stopped) {
-        // which fills ran is not known: forget every resident, and upload that empty state before the next lookup
+        // which fills ran is not known: forget every resident, and upload that empty state before the next lookup. A
+        // layer filled whole when the cache was made ran no lookup and no fill (read in place): it stays
         LLAMA_LOG_WARN("llama_moe: an eval callback stopped a graph whose expert cache lookups run on the device: the cache "
-                "starts empty again\n");
+                "starts empty again%s\n", fill_whole_on() ? " (but for the layers filled whole)" : "");
         synchronize_backends(*rt, nullptr);
         read_back_counters(*rt);
-        rt->plan->clear();
+        rt->plan->clear(fill_whole_on());
         for (rt_layer & l : rt->layers) {
+            if (layer_in_place(*rt, l)) {
+                continue;
+            }
             l.pending.clear();
             l.state_ahead = rt_layer::STATE_HOST_AHEAD;
         }
         rt->device_graph_stopped = false;
+        fill_whole_layers(*rt);
     }
     if (rt != nullptr) {
         for (rt_layer & l : rt->layers) {
@@ -1092,8 +1154,12 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         if (r.in_place) {
             // the phase of the graph (a prompt's last layer may compute a single output row)
             // with the ids the layer routes: its rows (a prompt's last layer may compute only the output rows) x top-k
-            rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT,
-                    (uint64_t) ggml_nelements(r.ids));
+            // a graph built under llama_set_warmup(true) routes every token to every expert: not a step of the model's
+            // routing, so not counted (it would add n_expert hits a token to the decode counters of a cache filled whole)
+            if (r.ids->ne[0] == l.n_used) {
+                rt->plan->note_in_place(r.il, r.graph_tokens <= rt->decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT,
+                        (uint64_t) ggml_nelements(r.ids));
+            }
             first_in_place = first_in_place || !l.in_place_bound;
             l.in_place_bound = true;
         } else {

@@ -239,6 +239,27 @@ bool llama_moe_cache::whole(int32_t il) const {
     return true;
 }
 
+bool llama_moe_cache::fill_whole(int32_t il, std::vector<llama_moe_cache_fill> & fills) {
+    fills.clear();
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    if (l.n_slots != l.n_expert) {
+        return false;
+    }
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        if (l.slot_of[e] != e && !(l.slot_of[e] < 0 && l.expert_of[e] < 0)) {
+            return false;
+        }
+    }
+    llama_moe_cache_stats uncounted;
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        // debug: the planted stale slot of the other planners, here too (the slot is recorded, its upload left out)
+        if (l.slot_of[e] < 0 && assign(*this, l, e, e, uncounted)) {
+            fills.push_back({ e, e });
+        }
+    }
+    return true;
+}
+
 void llama_moe_cache::note_in_place(int32_t il, llama_moe_cache_phase phase, uint64_t n_routed) {
     MOE_CACHE_ASSERT(phase >= 0 && phase < LLAMA_MOE_CACHE_PHASE_COUNT);
     llama_moe_cache_stats & st = layer_of(*this, il).stats[phase];
@@ -463,8 +484,11 @@ void llama_moe_cache::reset_stats() {
     }
 }
 
-void llama_moe_cache::clear() {
+void llama_moe_cache::clear(bool keep_whole) {
     for (llama_moe_cache_layer & l : layers) {
+        if (keep_whole && whole(l.il)) {
+            continue;
+        }
         std::fill(l.slot_of.begin(), l.slot_of.end(), -1);
         std::fill(l.expert_of.begin(), l.expert_of.end(), -1);
         std::fill(l.ref.begin(), l.ref.end(), 0);

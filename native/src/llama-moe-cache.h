@@ -172,6 +172,11 @@ struct llama_moe_cache {
     // every expert of layer il is resident, each in its own slot (a layer with a slot per expert places them so):
     // its banks are the images of its host tensors, and a graph of any size may read them as the expert tensors
     bool whole(int32_t il) const;
+    // makes a layer with a slot per expert whole at once: every expert that is not resident takes its own slot (free:
+    // such a layer never places an expert elsewhere). fills lists the uploads (host -> slot e, expert order) the
+    // caller must make before a graph reads the layer; false, nothing changed, where the layer has fewer slots than
+    // experts or a slot holds another expert. Counted in no phase's stats: it is not a step of a graph.
+    bool fill_whole(int32_t il, std::vector<llama_moe_cache_fill> & fills);
     // a step of a whole layer read in place: counted as a step of the phase, nothing planned
     void note_in_place(int32_t il, llama_moe_cache_phase phase, uint64_t n_routed);
 
@@ -190,8 +195,9 @@ struct llama_moe_cache {
     llama_moe_cache_stats get_stats(int32_t il, llama_moe_cache_phase phase) const;
     void reset_stats();
 
-    // forget every resident (e.g. after the host weights changed); stats are kept
-    void clear();
+    // forget every resident (e.g. after the host weights changed), or those of the layers that are not whole
+    // (keep_whole); stats are kept
+    void clear(bool keep_whole = false);
 
     // slot_of and expert_of agree, counts are consistent; why names the first violation
     bool check(std::string & why) const;

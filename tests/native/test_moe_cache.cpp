@@ -865,6 +865,64 @@ static void whole_layer() {
             " / %" PRIu64, pr.n_routed_in_place, de.n_routed_in_place);
 }
 
+static void fill_whole() {
+    // A layer with a slot per expert is made whole at once: the experts already resident stay, each other one is an
+    // upload into its own slot, and decode then reads every routed expert without a fill. Refused (nothing changed)
+    // for a layer with fewer slots than experts, and for one whose slot holds another expert (a state no planner of
+    // a whole-size layer makes, given by hand). The planted stale slot (debug_skip_fill) applies here too.
+    router r(16, 4, 0.5, 5);
+    llama_moe_cache c = one_layer(16, 16);
+    bank b(c);
+    llama_moe_cache_decode_plan d;
+    const std::vector<int32_t> first = r.route(1);
+    CHECK(c.plan_decode(0, first.data(), 1, 4, 4, d) && d.fills.size() == 4, "%zu fills", d.fills.size());
+    b.decode(c, 0, first, d);
+    std::vector<llama_moe_cache_fill> fills;
+    CHECK(c.fill_whole(0, fills) && fills.size() == 12 && c.whole(0), "%zu fills, whole %d", fills.size(), (int) c.whole(0));
+    for (size_t i = 0; i < fills.size(); i++) {
+        CHECK(fills[i].slot == fills[i].expert && c.layer(0)->slot_of[fills[i].expert] == fills[i].expert &&
+                (i == 0 || fills[i].expert > fills[i - 1].expert), "fill %zu: expert %d into slot %d", i, fills[i].expert,
+                fills[i].slot);
+        CHECK(std::find(first.begin(), first.end(), fills[i].expert) == first.end(), "resident expert %d uploaded again",
+                fills[i].expert);
+        b.of(c, 0)[fills[i].slot] = fills[i].expert;
+    }
+    check_cache(c);
+    // no phase counts it; decode after it only hits
+    const llama_moe_cache_stats st = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    CHECK(st.n_fills == 4 && c.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT).n_fills == 0, "%" PRIu64 " decode fills", st.n_fills);
+    for (int t = 0; t < 20; t++) {
+        const std::vector<int32_t> ids = r.route(1);
+        CHECK(c.plan_decode(0, ids.data(), 1, 4, 4, d) && d.fills.empty(), "a whole layer planned %zu fills", d.fills.size());
+        b.decode(c, 0, ids, d);
+    }
+    CHECK(c.fill_whole(0, fills) && fills.empty(), "a whole layer listed %zu fills", fills.size());
+    // a clear that keeps whole layers keeps this one (a stopped graph did not touch it); a plain clear empties it
+    c.clear(true);
+    CHECK(c.whole(0), "clear(keep_whole) emptied a whole layer");
+    c.clear();
+    CHECK(!c.whole(0) && c.layer(0)->n_free == 16, "%d free after clear", c.layer(0)->n_free);
+
+    // fewer slots than experts: refused, unchanged
+    llama_moe_cache q = one_layer(16, 12);
+    CHECK(!q.fill_whole(0, fills) && fills.empty() && q.layer(0)->n_free == 12, "%zu fills, %d free", fills.size(),
+            q.layer(0)->n_free);
+    // a slot holding another expert: refused, unchanged
+    llama_moe_cache m = one_layer(16, 16);
+    m.layers[0].slot_of[3] = 5;
+    m.layers[0].expert_of[5] = 3;
+    m.layers[0].n_free--;
+    CHECK(!m.fill_whole(0, fills) && fills.empty() && m.layers[0].n_free == 15, "%zu fills, %d free", fills.size(),
+            m.layers[0].n_free);
+
+    // the planted stale slot: the 3rd fill is recorded resident but not listed
+    llama_moe_cache k = one_layer(16, 16);
+    k.debug_skip_fill = 3;
+    CHECK(k.fill_whole(0, fills) && fills.size() == 15 && k.whole(0), "%zu fills", fills.size());
+    CHECK(std::none_of(fills.begin(), fills.end(), [](const llama_moe_cache_fill & f) { return f.expert == 2; }),
+            "the planted fill was listed");
+}
+
 static void lookup_handover() {
     // The decode lookup of ggml-moe-cache-lookup.h is what plan_decode runs; a device keeps the same flat state. Two
     // planners driven by the same skewed routing, one of which hands its state to a flat copy (as to a device) for
@@ -990,6 +1048,7 @@ int main(int argc, char ** argv) {
         { "stats-arithmetic",        stats_arithmetic },
         { "skip-fill",               skip_fill },
         { "whole-layer",             whole_layer },
+        { "fill-whole",              fill_whole },
         { "lookup-handover",         lookup_handover },
     };
     if (argc != 2) {
