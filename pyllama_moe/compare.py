@@ -148,7 +148,9 @@ class Harness:
         if cell.candidate == "patched" and cell.backend != "cpu" and int(env.get("LLAMA_MOE_CACHE_MIB", "0")) > 0:
             prefetch = env.get("GGML_SCHED_PREFETCH", "1")
             ahead = ubatches_ahead(cell, env) if prefetch == "2" or (prefetch == "1" and cell.backend == "cuda") else 0
-            checks.append(cache_check(cand.log, ahead, want_device=env.get("LLAMA_MOE_CACHE_DEVICE", "1") != "0"))
+            # a SIM device without the lookup ops keeps the host-side plan for its group: neither path everywhere
+            want_device = None if env.get("GGML_SIM_NO_CACHE_OPS") else env.get("LLAMA_MOE_CACHE_DEVICE", "1") != "0"
+            checks.append(cache_check(cand.log, ahead, want_device=want_device))
         if oplog is not None:
             used, races = read_sim_oplog(oplog)
             shutil.rmtree(oplog.parent, ignore_errors=True)

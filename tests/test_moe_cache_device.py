@@ -208,3 +208,31 @@ def test_a_stop_after_a_lookup_keeps_the_layers_filled_whole(patched_build, src,
     # the whole layers' steps, all read in place; the other two layers' steps looked up
     assert d["n_in_place"] > 0 and d["n_misses"] > 0
 
+
+
+def test_a_device_without_the_lookup_ops_keeps_the_host_plan_for_its_group_alone(patched_build, src, model):
+    # issue 14, item 4: two SIM devices (llama.cpp places 3 of the 4 layers on SIM0, 1 and the output on SIM1), the
+    # experts on the host, the cache on both at 2 MiB: SIM0's layers 6-7 slots each, SIM1's one layer 16, filled as
+    # routed (else it would be read in place and never looked up). SIM0 lacks the lookup ops (GGML_SIM_NO_CACHE_OPS=0,
+    # as a backend without them). Each device has its own group: SIM0's layers keep the host-side plan, SIM1's looks
+    # up on the device, each logged once with the reason, and the decode computes what the cache off does on the same
+    # two devices
+    two = {"GGML_SIM_DEVICES": "2"}
+    reference = _run(patched_build, src, model, {**two, "LLAMA_MOE_CACHE_MIB": "0"})
+    got = _run(patched_build, src, model, {**two, "LLAMA_MOE_CACHE_MIB": "2", "GGML_SIM_NO_CACHE_OPS": "0",
+                                           "LLAMA_MOE_CACHE_FILL_WHOLE": "0"})
+    assert "GGML_SIM_NO_CACHE_OPS: SIM0 lacks the expert cache's lookup ops" in got.log
+    assert "expert cache on SIM1: decode looks up its slots and fills its misses on the device" in got.log
+    assert "expert cache on SIM0: decode looks up" not in got.log
+    host = re.findall(r"expert cache on SIM0: decode plans (\d) of (\d) layers on the host \(a synchronization per layer\): "
+                      r"its backend lacks the lookup ops", got.log)
+    assert host == [("3", "3")], got.log[-3000:]
+    assert re.search(r"expert cache on SIM0: [0-9.]+ MiB, 3 MoE layers .*, 6-7 of 16 expert slots", got.log)
+    assert re.search(r"expert cache on SIM1: [0-9.]+ MiB, 1 MoE layers .*, 16-16 of 16 expert slots", got.log)
+    assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
+    assert got.logits_sha256 == reference.logits_sha256
+    # every decode step of SIM0's layers planned on the host, SIM1's looked up on the device until its layer was whole
+    d = got.stats["generate"]["cache_decode"]
+    assert d["n_ubatches"] == 4 * (N_GEN - 1) and d["n_misses"] > 0
+    looked_up = int(re.search(r", (\d+) looked up on the device,", got.log).group(1))
+    assert 0 < looked_up <= N_GEN - 1 and d["n_copy_calls"] > 0  # the host plan uploads with copies

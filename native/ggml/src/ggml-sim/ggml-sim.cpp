@@ -61,6 +61,7 @@ namespace {
 struct sim_config {
     int         n_devices          = 0;
     size_t      memory_bytes       = 0;
+    std::vector<bool> no_cache_ops;       // GGML_SIM_NO_CACHE_OPS=i,j,...: devices that lack the expert cache's ops
     double      copy_bytes_per_ns  = 0.0; // 0: no bandwidth limit
     int64_t     copy_latency_ns    = 0;
     int64_t     compute_latency_ns = 0;
@@ -78,6 +79,23 @@ double env_double(const char * name, double def) {
     return v && *v ? atof(v) : def;
 }
 
+// a comma-separated list of numbers (an empty or unset variable: none); "0,2" -> { 0, 2 }
+std::vector<double> env_list(const char * name) {
+    std::vector<double> out;
+    const char * v = getenv(name);
+    for (const char * p = v; p && *p;) {
+        char * end = nullptr;
+        out.push_back(strtod(p, &end));
+        if (end == p) {
+            GGML_LOG_WARN("ggml_sim: %s=%s: not a comma-separated list of numbers, read up to \"%s\"\n", name, v, p);
+            out.pop_back();
+            break;
+        }
+        p = *end == ',' ? end + 1 : end;
+    }
+    return out;
+}
+
 const sim_config & sim_cfg() {
     static const sim_config cfg = [] {
         sim_config c;
@@ -88,6 +106,14 @@ const sim_config & sim_cfg() {
         }
         c.n_devices          = n > 0 ? n : 0;
         c.memory_bytes       = (size_t) (env_double("GGML_SIM_MEMORY_MIB", 8192) * 1024.0 * 1024.0);
+        // devices without GGML_OP_MOE_CACHE_LOOKUP and GGML_OP_MOE_CACHE_FILL, as a backend that lacks them: the cache
+        // keeps the host-side plan for their layers
+        c.no_cache_ops.assign(std::max(c.n_devices, 1), false);
+        for (double d : env_list("GGML_SIM_NO_CACHE_OPS")) {
+            if (d >= 0 && d < c.no_cache_ops.size()) {
+                c.no_cache_ops[(size_t) d] = true;
+            }
+        }
         c.copy_bytes_per_ns  = env_double("GGML_SIM_COPY_GBPS", 0); // 1 GB/s = 1 byte/ns
         c.copy_latency_ns    = (int64_t) (env_double("GGML_SIM_COPY_LATENCY_US", 0) * 1000.0);
         c.compute_latency_ns = (int64_t) (env_double("GGML_SIM_COMPUTE_LATENCY_US", 0) * 1000.0);
@@ -1291,6 +1317,9 @@ bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     if (!cpu_dev) {
         return false;
     }
+    if ((op->op == GGML_OP_MOE_CACHE_LOOKUP || op->op == GGML_OP_MOE_CACHE_FILL) && sim_cfg().no_cache_ops[device_of(dev)->index]) {
+        return false;
+    }
     // a GPU cannot read weights the CPU backend repacked into its own (non-host) layout
     for (int i = 0; i < GGML_MAX_SRC; i++) {
         const ggml_tensor * src = op->src[i];
@@ -1588,6 +1617,12 @@ ggml_backend_reg_t ggml_backend_sim_reg(void) {
             if (cfg.host_map_fail_nth > 0) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_MAP_FAIL_NTH=%lld: registration %lld of a new range fails (fault injection)\n",
                         (long long) cfg.host_map_fail_nth, (long long) cfg.host_map_fail_nth);
+            }
+            for (int i = 0; i < cfg.n_devices; i++) {
+                if (cfg.no_cache_ops[i]) {
+                    GGML_LOG_WARN("ggml_sim: GGML_SIM_NO_CACHE_OPS: %s lacks the expert cache's lookup ops (fault injection)\n",
+                            s->devices[i]->name.c_str());
+                }
             }
             if (cfg.host_no_mapped) {
                 GGML_LOG_WARN("ggml_sim: GGML_SIM_HOST_NO_MAPPED=1: kernels cannot read host memory in place (fault injection)\n");
