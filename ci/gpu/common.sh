@@ -43,9 +43,11 @@ bench() { # $1: seconds at most, then pyllama-moe bench arguments; the model is 
     timeout "$limit" python3 -m pyllama_moe bench --model "${BENCH_MODEL:-$MODEL}" --backend cuda --archive-dir $A "$@"
 }
 
-patched_bin() { # the bin folder of the patched CUDA build that start_builds made
-    python3 -c "import pathlib; from pyllama_moe.build import resolve
-print(resolve('patched', 'cuda', archive=pathlib.Path('$A/llama.cpp-patched.tar.gz')).bin_dir)"
+patched_bin() { # the bin folder of the patched CUDA build that start_builds made; $1: its targets where they were
+    # not the default ones (comma-separated), so that resolving it does not build the others
+    python3 -c "import pathlib, sys; from pyllama_moe.build import resolve
+targets = {'targets': tuple(sys.argv[1].split(','))} if sys.argv[1] else {}
+print(resolve('patched', 'cuda', archive=pathlib.Path('$A/llama.cpp-patched.tar.gz'), **targets).bin_dir)" "${1:-}"
 }
 
 tiny_prompt() { # sets SMALL to the matrix's tiny qwen3moe model (made here when no identity run made it) and

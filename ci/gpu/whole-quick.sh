@@ -11,8 +11,7 @@ python3 -m pyllama_moe build --backend cuda --variant patched --archive $A/llama
 tail -1 "$OUT/build-patched.log"
 wait
 M=$(skew_model) || exit 1
-P=$(python3 -c "import pathlib; from pyllama_moe.build import resolve
-print(resolve('patched', 'cuda', archive=pathlib.Path('$A/llama.cpp-patched.tar.gz'), targets=('llama-bench',), make=False).bin_dir)")
+P=$(patched_bin llama-bench) || exit 1
 echo "build and model: $((SECONDS - T0)) s"
 LLAMA_MOE_CACHE_MIB=17000 timeout 60 "$P/llama-bench" -v -m "$M" -p 0 -n 16 -r 1 -ngl 99 -ncmoe 48 -lm none 2>&1 \
     | grep -E "llama_moe: expert cache" | tee "$OUT/fill.txt"

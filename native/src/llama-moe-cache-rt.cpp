@@ -451,8 +451,35 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
 // its tokens route is uploaded once anyway; filled as routed, a rarely routed expert keeps the layer from being read
 // in place for thousands of tokens, and every decode step of it pays the lookup and its fills meanwhile (the tenth
 // session on the H200, every expert cached: 0.65 of the all-on-GPU rate over the first 512 tokens, 0.78 in the last
-// 128 of them). One upload per run of missing experts and tensor, on the calling thread; nothing may be computing
-// on the banks (the cache was just made, or settle synchronized).
+// 128 of them). One upload per run of missing experts and tensor, on the calling thread, when the cache is made
+// (nothing computes on its banks yet); a stop that empties the cache keeps these layers (llama_moe_cache_settle).
+// uploads fills (sorted by slot) from the host tensors into layer l's banks, one copy per run of consecutive experts
+// into consecutive slots and per tensor: on queue, or synchronously where queue is null; returns the bytes
+static size_t upload_fills(const rt_layer & l, const std::vector<llama_moe_cache_fill> & fills, ggml_backend_t queue) {
+    size_t bytes = 0;
+    for (size_t i = 0; i < fills.size();) {
+        size_t j = i + 1;
+        while (j < fills.size() && fills[j].slot == fills[j - 1].slot + 1 && fills[j].expert == fills[j - 1].expert + 1) {
+            j++;
+        }
+        for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+            if (l.g.bank[k] == nullptr) {
+                continue;
+            }
+            const size_t nb = l.g.host[k]->nb[expert_dim(k)];
+            const char * src = (const char *) l.g.host[k]->data + (size_t) fills[i].expert * nb;
+            if (queue != nullptr) {
+                ggml_backend_tensor_set_async(queue, l.g.bank[k], src, (size_t) fills[i].slot * nb, (j - i) * nb);
+            } else {
+                ggml_backend_tensor_set(l.g.bank[k], src, (size_t) fills[i].slot * nb, (j - i) * nb);
+            }
+            bytes += (j - i) * nb;
+        }
+        i = j;
+    }
+    return bytes;
+}
+
 static void fill_whole_layers(llama_moe_cache_rt & rt) {
     if (!fill_whole_on()) {
         return;
@@ -466,23 +493,7 @@ static void fill_whole_layers(llama_moe_cache_rt & rt) {
             continue;
         }
         planner_takes(l);
-        // slot e is expert e: a run of consecutive experts is one range of the bank and of the host tensor
-        for (size_t i = 0; i < fills.size();) {
-            size_t j = i + 1;
-            while (j < fills.size() && fills[j].expert == fills[j - 1].expert + 1) {
-                j++;
-            }
-            for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
-                if (l.g.bank[k] == nullptr) {
-                    continue;
-                }
-                const size_t nb     = l.g.host[k]->nb[expert_dim(k)];
-                const size_t offset = (size_t) fills[i].expert * nb;
-                ggml_backend_tensor_set(l.g.bank[k], (const char *) l.g.host[k]->data + offset, offset, (j - i) * nb);
-                bytes += (j - i) * nb;
-            }
-            i = j;
-        }
+        bytes += upload_fills(l, fills, nullptr); // in expert order, slot e for expert e: sorted by slot
         n_layers++;
     }
     if (n_layers > 0) {
@@ -762,7 +773,6 @@ void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
             l.state_ahead = rt_layer::STATE_HOST_AHEAD;
         }
         rt->device_graph_stopped = false;
-        fill_whole_layers(*rt);
     }
     if (rt != nullptr) {
         for (rt_layer & l : rt->layers) {
@@ -883,21 +893,7 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     std::sort(fills.begin(), fills.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
         return a.slot < b.slot;
     });
-    for (size_t i = 0; i < fills.size(); ) {
-        size_t j = i + 1;
-        while (j < fills.size() && fills[j].slot == fills[j - 1].slot + 1 && fills[j].expert == fills[j - 1].expert + 1) {
-            j++;
-        }
-        for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
-            if (l.g.bank[k] == nullptr) {
-                continue;
-            }
-            const size_t nb = l.g.host[k]->nb[expert_dim(k)];
-            ggml_backend_tensor_set_async(l.backend, l.g.bank[k], (const char *) l.g.host[k]->data + (size_t) fills[i].expert * nb,
-                    (size_t) fills[i].slot * nb, (j - i) * nb);
-        }
-        i = j;
-    }
+    upload_fills(l, fills, l.backend);
     // the slot of every expert, one row per token (get_rows reads row t for token t); experts not resident map to
     // slot 0, never read: every routed expert is resident
     const llama_moe_cache_layer & pl = *rt.plan->layer(r.il);
