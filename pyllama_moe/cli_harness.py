@@ -31,6 +31,11 @@ def _source(args):
     return source.ensure_source(getattr(args, "sdist", None), getattr(args, "llama_src", None))
 
 
+def _seed_env(seed: str | None) -> dict[str, str]:
+    """The environment of --moe-cache-seed on|off (None: the process's own, LLAMA_MOE_CACHE_SEED or on)."""
+    return {} if seed is None else {"LLAMA_MOE_CACHE_SEED": "1" if seed == "on" else "0"}
+
+
 def cmd_run(args) -> int:
     from pyllama_moe import runner
     from pyllama_moe.build import resolve
@@ -42,9 +47,12 @@ def cmd_run(args) -> int:
     spec = runner.RunSpec(model=args.model, prompt=prompt, n_gpu_layers=args.ngl, cpu_moe=args.cpu_moe,
                           n_cpu_moe=args.n_cpu_moe, load_mode=args.load_mode, repack=not args.no_repack,
                           n_ubatch=args.ubatch, threads=_threads(args), generate=args.generate,
-                          moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None)
+                          moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None,
+                          env=_seed_env(args.moe_cache_seed))
     if args.moe_cache_mib is not None and built.variant != "patched":
         raise UserError("--moe-cache-mib needs the patched build (master has no expert cache)", "drop it or use --variant patched")
+    if args.moe_cache_seed is not None and built.variant != "patched":
+        raise UserError("--moe-cache-seed needs the patched build (master has no expert cache)", "drop it or use --variant patched")
     result = runner.run(built, src, spec)
     if args.logits_out:
         import numpy as np
@@ -142,6 +150,11 @@ def run_bench(args, model: Path) -> str:
             raise UserError("--moe-cache-mib sets the candidate's expert cache, and the candidate is master",
                             "use --candidate patched")
         plan.env["candidate"]["LLAMA_MOE_CACHE_MIB"] = str(args.moe_cache_mib)
+    if args.moe_cache_seed is not None:
+        if args.candidate != "patched":
+            raise UserError("--moe-cache-seed sets the candidate's expert cache, and the candidate is master",
+                            "use --candidate patched")
+        plan.env["candidate"].update(_seed_env(args.moe_cache_seed))
     plan.check()
     probes = []
     if args.pcie_bound:
@@ -233,6 +246,7 @@ def cmd_demo(args) -> int:
     model = models.ensure_model("qwen3moe", matrix.models["qwen3moe"])
     args.bench_args, args.rounds, args.reps, args.discard, args.warmup_rounds = None, 2, 3, 1, 0
     args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = args.moe_cache_mib = None
+    args.moe_cache_seed = None
     args.limit_from = "own"
     args.pcie_bound = args.paced = args.pin_threads = False
     args.paced_chunk = 0
@@ -267,6 +281,8 @@ def register(sub) -> None:
     p.add_argument("-n", "--generate", type=int, default=32)
     p.add_argument("-mcm", "--moe-cache-mib", type=int, metavar="MIB",
                    help="the context's expert cache per GPU in MiB (patched builds; default: LLAMA_MOE_CACHE_MIB)")
+    p.add_argument("--moe-cache-seed", choices=("on", "off"),
+                   help="seed the expert cache at the prompt's end (patched builds; default: LLAMA_MOE_CACHE_SEED, on)")
     p.add_argument("--logits-out", type=Path, help="write the all-position logits (f32) as .npy")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_run)
@@ -323,6 +339,9 @@ def register(sub) -> None:
     p.add_argument("--candidate-env", action="append", metavar="NAME=VALUE", help="environment for the candidate only")
     p.add_argument("-mcm", "--moe-cache-mib", type=int, metavar="MIB",
                    help="the candidate's expert cache per GPU in MiB (as --candidate-env LLAMA_MOE_CACHE_MIB=MIB)")
+    p.add_argument("--moe-cache-seed", choices=("on", "off"),
+                   help="the candidate's seeding of its expert cache at a prompt's end (as --candidate-env "
+                        "LLAMA_MOE_CACHE_SEED=1|0)")
     p.add_argument("--archive-dir", type=Path)
     p.add_argument("--json", type=Path, help="write every sample, interval and setting as JSON (rewritten each round)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then llama-bench arguments "

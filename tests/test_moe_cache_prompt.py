@@ -109,9 +109,10 @@ def test_batched_and_single_copies_compute_the_same(patched_build, src, model, r
     # SIM offers ggml_backend_copy_regions_async (as CUDA does, tested on its own in the hazard case copy-regions):
     # each staged piece takes at most one call for its uploads and one for its device copies; with
     # LLAMA_MOE_CACHE_COPY_BATCH=0 one call per run. A fresh cache's residents are one run per tensor (admits go to
-    # free slots in expert order), so here the counts agree; the bytes and the plan must agree too
-    batched = _run(patched_build, src, model, 2)
-    single = _run(patched_build, src, model, 2, {"LLAMA_MOE_CACHE_COPY_BATCH": "0"})
+    # free slots in expert order), so here the counts agree; the bytes and the plan must agree too. Without the seeding
+    # at the prompt's end (LLAMA_MOE_CACHE_SEED=0; its copies are counted in tests/test_moe_cache_seed.py)
+    batched = _run(patched_build, src, model, 2, {"LLAMA_MOE_CACHE_SEED": "0"})
+    single = _run(patched_build, src, model, 2, {"LLAMA_MOE_CACHE_COPY_BATCH": "0", "LLAMA_MOE_CACHE_SEED": "0"})
     _same(batched, reference)
     _same(single, reference)
     b, s = batched.stats["prompt"]["cache_prompt"], single.stats["prompt"]["cache_prompt"]
@@ -123,8 +124,9 @@ def test_batched_and_single_copies_compute_the_same(patched_build, src, model, r
 
 def test_a_small_cache_keeps_its_first_residents_through_the_prompt(patched_build, src, model, reference):
     # 2 MiB: 5 of 16 slots per layer. The first ubatch fills them, no later one replaces them (a prompt ubatch routes
-    # to nearly every expert: LRU would send all of them again each time)
-    got = _run(patched_build, src, model, 2)
+    # to nearly every expert: LRU would send all of them again each time). The seeding off: at the prompt's end it
+    # replaces them by what the last ubatch routed (tests/test_moe_cache_seed.py)
+    got = _run(patched_build, src, model, 2, {"LLAMA_MOE_CACHE_SEED": "0"})
     assert "5-5 of 16 expert slots" in got.log and "read in place once resident" not in got.log
     _same(got, reference)
     p = got.stats["prompt"]["cache_prompt"]

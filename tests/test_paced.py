@@ -157,7 +157,24 @@ def test_a_generation_in_chunks_continues_where_the_last_chunk_stopped(model, to
         assert cells_left(proc) == n_ctx  # and a new one starts from an empty memory
         with pytest.raises(UserError, match="bad token count"):
             proc.run("tg-more x")
+        _check(proc.run("pp 8"), "pp", 8)
+        assert cells_left(proc) == n_ctx - 8  # after a prompt, the generation continues it
+        _check(proc.run("tg-more 2"), "tg-more", 2)
         _check(proc.run("tg 1"), "tg", 1)
-        with pytest.raises(UserError, match="send tg-start first"):  # a whole test ends the chunked one
+        with pytest.raises(UserError, match="send tg-start first"):  # a whole tg test ends the chunked one
             proc.run("tg-more 1")
     assert proc.returncode == 0
+
+
+def test_a_fresh_expert_cache_on_the_patched_build_and_a_clear_refusal_on_master(model, tools):
+    # moe-cache-reset looks the patched build's llama_moe_set_moe_cache_mib up at run time: master has none
+    with paced.PacedProcess(tools["master"], _spec(model)) as proc:
+        proc.wait_ready(300)
+        with pytest.raises(UserError, match="this build has no expert cache"):
+            proc.run("moe-cache-reset")
+        _check(proc.run("pp 8"), "pp", 8)  # and it keeps serving
+    with paced.PacedProcess(tools["patched"], _spec(model)) as proc:
+        proc.wait_ready(300)
+        reply = proc.run("moe-cache-reset")
+        assert reply["kind"] == "moe-cache-reset" and reply["ns"] > 0
+        _check(proc.run("pp 8"), "pp", 8)

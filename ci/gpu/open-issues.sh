@@ -2,9 +2,9 @@
 # One device session over the GPU steps of the open issues, in the order their results are most needed, on one
 # pair of CUDA builds with every default target (so the identity cells, the sanitizer and the benchmarks share
 # them). STEPS lists SCRIPT:STEP pairs of the scripts beside this one; the default is what is still to run after
-# the eleventh session (results/moe-cache-device-gpu.md); issue 13's last row, the whole cache with -lm mmap, has a
-# script of its own that builds the patched bench targets only (DEADLINE_S=370 bash ci/gpu/whole-mmap.sh), run first:
-#   cache.sh:identity                    issue 13: the CUDA cells again (keeps the builds honest for what follows)
+# the twelfth session (issue 13 is done: its last row, the whole cache with -lm mmap, ran by whole-mmap.sh):
+#   seed.sh:check                        issue 14: the cache's CUDA cells (all seed but one), the seed debug check
+#   seed.sh:first                        issue 14: the first 16 tokens after a 4096-token prompt, seeding on and off
 # Done in the eleventh session: cache.sh:tg-whole (filled whole: 1.013 [0.990, 1.038] of all on the GPU, -lm none),
 # cache.sh:identity (9 passed), device-lookup.sh:tg-skew0 (1.203 [1.090, 1.326] of master's -ncmoe 24, -lm none).
 # Done in the tenth session: device-lookup.sh:ops (memcheck of the lookup only, OPS=MOE_CACHE_LOOKUP
@@ -36,7 +36,7 @@ all)
     skew_pid=$!
     BUILD_WAIT_S=1200 bash "$here/prefetch.sh" build || exit 1
     wait $skew_pid || { echo "the skew 0.5 model was not written"; cat "$OUT/skew-model.log"; exit 1; }
-    for s in ${STEPS:-cache.sh:identity}; do
+    for s in ${STEPS:-seed.sh:check seed.sh:first}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$here/${s%%:*}" "${s#*:}"
     done

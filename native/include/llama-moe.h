@@ -125,6 +125,17 @@ LLAMA_MOE_API int64_t llama_moe_default_get_moe_cache_mib(void);
 LLAMA_MOE_API void    llama_moe_set_moe_cache_mib(struct llama_context * ctx, int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_get_moe_cache_mib(const struct llama_context * ctx);
 
+// Seeding: the last ubatch of a decode call that uploads its experts ahead (a prompt's last large ubatch) reads its
+// routing back once per cached layer and copies the experts of the highest scores from the staged copies into the
+// slots on the device, so that the first decode tokens hit. A prompt's tail decoded as its own small batch (uploaded
+// nothing ahead) keeps the seeded set. That ubatch is computed in pieces (a synchronization at each cached layer's
+// routing and at each split's end); with -b equal to -ub every call seeds. Process-wide default read when a cache is made: 1 on, 0 off, -1
+// unsets it (then LLAMA_MOE_CACHE_SEED, then on). LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1 compares every resident slot of
+// the seeded layers with its host expert byte for byte once the graph is done and logs the result (a synchronization
+// and a read of those slots per seeded graph).
+LLAMA_MOE_API void    llama_moe_default_set_moe_cache_seed(int32_t on);
+LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_seed(void);
+
 // Counters of a context's cache since it was created: per layer (il >= 0) or summed over layers (il < 0), and phase
 // (0 prompt, 1 decode). Experts are counted once per ubatch and layer; bytes over all of a layer's expert tensors.
 // Fields may be appended: callers compile against this header (cffi reads it).
@@ -141,6 +152,7 @@ struct llama_moe_cache_counters {
     uint64_t n_in_place;     // steps of a layer with every expert resident, read in place (no plan, no read back)
     uint64_t n_routed_in_place; // ... the expert ids those steps routed, all of them hits (n_tokens x top-k a step,
                                 // repeats included: a hit rate over routed ids, exact for steps of one token)
+    uint64_t n_seeded;       // prompt: experts made resident by seeding (also in n_fills)
 };
 
 // Returns the number of layers the context caches (0: no cache; *out is zeroed). An il without a cache gives zeros.

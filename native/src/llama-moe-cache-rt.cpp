@@ -54,6 +54,17 @@ struct rt_layer {
     // stop before the rest
     std::vector<llama_moe_cache_fill> pending;
     size_t filled[LLAMA_MOE_CACHE_N_TENSORS] = {};
+    // where that graph staged each tensor on the layer's device (the scheduler's copy), and the copy queue that wrote
+    // it: what the seeding copies from
+    ggml_tensor *  staged[LLAMA_MOE_CACHE_N_TENSORS] = {};
+    ggml_backend_t staged_queue = nullptr;
+    // the seed of the graph seed_graph: its fills (staged copy -> slot), and which tensors' copies are issued. The
+    // routing is read in the split before the layer's, where the uploads of its later tensors may not have been issued
+    // yet (the prefetch's lookahead): a tensor gets its copies once its staged copy is complete (copy_fill). Like the
+    // admits, the seed is kept only where every bank got all of its copies (settle_prompt_admits)
+    uint64_t seed_graph = 0;
+    std::vector<llama_moe_cache_fill> seed_fills;
+    bool seed_issued[LLAMA_MOE_CACHE_N_TENSORS] = {};
     // a graph read the layer in place since the scheduler last synchronized for it (see bind_graph)
     bool in_place_bound = false;
 
@@ -121,6 +132,21 @@ struct llama_moe_cache_rt {
     // read and admit on the copy queue; the first graph of the other kind waits for that work (once per switch)
     bool banks_on_compute = false;
     bool banks_on_queue   = false;
+
+    // seeding (llama-moe-cache-rt.h, "Seeding"): whether the cache seeds at all, whether the next graph bound is to
+    // seed (llama_moe_cache_seed_ubatch), and whether the bound one does
+    bool    seed_on     = true;
+    int64_t seed_tokens = 0; // the ubatch size of the graph to seed (0: none)
+    bool    seeding     = false;
+    bool said_no_seed   = false; // said once: nothing uploads ahead, so prompts do not seed
+    bool said_seed_undone = false; // said once: a seed taken back
+    std::vector<fill_move> seed_moves;
+    // LLAMA_MOE_CACHE_DEBUG_CHECK_SEED: the layers seeded in the last graph (indices into layers), whose resident
+    // slots are compared with the host experts at the next settle (after the copy queue that seeded them is done)
+    bool check_seed = false;
+    std::vector<size_t> seeds_to_check;
+    uint64_t n_seeds_checked = 0;
+    uint64_t n_seeds_differ  = 0;
 
     ~llama_moe_cache_rt() {
         for (ggml_backend_buffer_t b : bufs) {
@@ -289,6 +315,8 @@ static bool fill_whole_on() {
 
 static void fill_whole_layers(llama_moe_cache_rt & rt);
 static void planner_takes(rt_layer & l);
+static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l);
+static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k);
 
 static void choose_device_lookup(llama_moe_cache_rt & rt);
 
@@ -442,6 +470,11 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     }
     rt->plan = std::make_unique<llama_moe_cache>(kept_descs, kept_sizing);
     rt->plan->debug_skip_fill = llama_moe_cache_debug_skip_fill();
+    rt->seed_on    = llama_moe_cache_context_seed();
+    rt->check_seed = rt->seed_on && llama_moe_cache_debug_check_seed();
+    if (!rt->seed_on) {
+        LLAMA_LOG_INFO("llama_moe: expert cache: a prompt's end does not seed it (LLAMA_MOE_CACHE_SEED=0)\n");
+    }
     choose_device_lookup(*rt);
     fill_whole_layers(*rt);
     return rt.release();
@@ -692,6 +725,58 @@ static void read_back_counters(llama_moe_cache_rt & rt) {
     }
 }
 
+// LLAMA_MOE_CACHE_DEBUG_CHECK_SEED: every resident slot of the layers the last graph seeded, once the seed's copies
+// are done, against the host expert the planner says it holds, byte for byte (what decode will read); a slot that
+// differs is an error in the log (the first few by name). Runs after the seeds that did not complete were taken
+// back (settle_prompt_admits), before anything plans those layers again.
+static void check_seeds(llama_moe_cache_rt & rt) {
+    if (rt.seeds_to_check.empty()) {
+        return;
+    }
+    std::vector<ggml_backend_t> done;
+    for (size_t i : rt.seeds_to_check) {
+        ggml_backend_t queue = rt.layers[i].staged_queue;
+        if (queue != nullptr && std::find(done.begin(), done.end(), queue) == done.end()) {
+            ggml_backend_synchronize(queue);
+            done.push_back(queue);
+        }
+    }
+    uint64_t n_checked = 0, n_differ = 0;
+    std::vector<uint8_t> bytes;
+    for (size_t i : rt.seeds_to_check) {
+        const rt_layer & l = rt.layers[i];
+        const llama_moe_cache_layer & pl = *rt.plan->layer(l.il);
+        for (int32_t slot = 0; slot < l.n_slots; slot++) {
+            const int32_t e = pl.expert_of[slot];
+            if (e < 0) {
+                continue;
+            }
+            n_checked++;
+            for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+                if (l.g.bank[k] == nullptr) {
+                    continue;
+                }
+                const size_t nb = l.g.host[k]->nb[expert_dim(k)];
+                bytes.resize(nb);
+                ggml_backend_tensor_get(l.g.bank[k], bytes.data(), (size_t) slot * nb, nb);
+                if (memcmp(bytes.data(), (const char *) l.g.host[k]->data + (size_t) e * nb, nb) != 0) {
+                    if (rt.n_seeds_differ + n_differ < 8) {
+                        LLAMA_LOG_ERROR("llama_moe: seed check: layer %d, slot %d holds other bytes than expert %d's %s\n",
+                                l.il, slot, e, EXP_NAMES[k]);
+                    }
+                    n_differ++;
+                    break;
+                }
+            }
+        }
+    }
+    rt.n_seeds_checked += n_checked;
+    rt.n_seeds_differ  += n_differ;
+    LLAMA_LOG_INFO("llama_moe: seed check: %" PRIu64 " resident experts of %zu seeded layers, %" PRIu64 " differ from the host\n",
+            n_checked, rt.seeds_to_check.size(), n_differ);
+    rt.seeds_to_check.clear();
+}
+
 static void log_summary(const llama_moe_cache_rt & rt) {
     // the hit rate is that of the planned steps: a step read in place plans nothing (every expert resident)
     const llama_moe_cache_stats d = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_DECODE);
@@ -713,9 +798,14 @@ static void log_summary(const llama_moe_cache_rt & rt) {
     const llama_moe_cache_stats p = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT);
     if (p.n_ubatches > 0) {
         LLAMA_LOG_INFO("llama_moe: expert cache, prompts: %" PRIu64 " layer steps, %" PRIu64 " experts read from the banks, %" PRIu64 " uploaded "
-                "(%.2f MiB), %" PRIu64 " made resident, %.2f MiB copied on the device, %" PRIu64 " copies, %" PRIu64 " read in place\n",
-                p.n_ubatches, p.n_hits, p.n_misses, mib(p.bytes_uploaded), p.n_fills, mib(p.bytes_copied), p.n_copy_calls,
-                p.n_in_place);
+                "(%.2f MiB), %" PRIu64 " made resident (%" PRIu64 " by seeding), %.2f MiB copied on the device, %" PRIu64 " copies, "
+                "%" PRIu64 " read in place\n",
+                p.n_ubatches, p.n_hits, p.n_misses, mib(p.bytes_uploaded), p.n_fills, p.n_seeded, mib(p.bytes_copied),
+                p.n_copy_calls, p.n_in_place);
+    }
+    if (rt.check_seed) {
+        LLAMA_LOG_INFO("llama_moe: expert cache, seed check: %" PRIu64 " resident experts of seeded layers compared with the host, "
+                "%" PRIu64 " differ\n", rt.n_seeds_checked, rt.n_seeds_differ);
     }
 }
 
@@ -725,6 +815,10 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
     }
     rt->freeing = true; // a bad state is reported, not fatal, in a destructor
     read_back_states(*rt, nullptr, {}); // the counters of the device lookups since the last handover
+    for (rt_layer & l : rt->layers) {
+        settle_prompt_admits(*rt, l);
+    }
+    check_seeds(*rt);
     log_summary(*rt);
     delete rt;
 }
@@ -732,18 +826,27 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
 // a layer whose prompt admits of the last graph are kept only where every bank of it got all its bytes; the graph's
 // copies were all issued once it returned, so this may run at the next graph's build or bind, whichever is first
 static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l) {
-    if (l.pending.empty()) {
+    if (l.pending.empty() && l.seed_fills.empty()) {
         return;
     }
     bool whole = true;
     for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
-        whole = whole && (l.g.bank[k] == nullptr || l.filled[k] == ggml_nbytes(l.g.host[k]));
+        whole = whole && (l.g.bank[k] == nullptr ||
+                (l.filled[k] == ggml_nbytes(l.g.host[k]) && (l.seed_fills.empty() || l.seed_issued[k])));
     }
     if (!whole) {
         planner_takes(l);
+        // the seed first: it may have replaced some of the admits, which are then no longer there to take back
+        rt.plan->unadmit(l.il, l.seed_fills, true);
         rt.plan->unadmit(l.il, l.pending);
+        if (!l.seed_fills.empty() && !rt.said_seed_undone) {
+            LLAMA_LOG_INFO("llama_moe: expert cache: the seed of layer %d was taken back: its graph did not stage all of "
+                    "the layer's experts on its device\n", l.il);
+            rt.said_seed_undone = true;
+        }
     }
     l.pending.clear();
+    l.seed_fills.clear();
 }
 
 // every expert resident in its own slot, nothing pending: the banks are the host tensors' images. A layer stays so
@@ -770,6 +873,7 @@ void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
                 continue;
             }
             l.pending.clear();
+            l.seed_fills.clear();
             l.state_ahead = rt_layer::STATE_HOST_AHEAD;
         }
         rt->device_graph_stopped = false;
@@ -778,6 +882,7 @@ void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
         for (rt_layer & l : rt->layers) {
             settle_prompt_admits(*rt, l);
         }
+        check_seeds(*rt);
         // before the next graph is built or reused: a layer the device made whole is read in place from then on
         read_back_states(*rt, nullptr, {}, true);
     }
@@ -860,7 +965,7 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
         ggml_build_forward_expand(gf, fill);
         banks[k] = fill;
     }
-    routes.push_back({ lookup, ids, il, false, false, true, graph_tokens });
+    routes.push_back({ lookup, ids, il, false, false, true, false, graph_tokens });
     return ggml_view_2d(ctx, lookup, ids->ne[0], ids->ne[1], ids->ne[0] * sizeof(int32_t), 0);
 }
 
@@ -869,20 +974,59 @@ void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes
     GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->nb[0] == sizeof(int32_t));
     GGML_ASSERT((in_place || ids->ne[0] == rt->layers[rt->index[il]].n_used) && !(in_place && banks));
-    routes.push_back({ at, ids, il, banks, in_place, false, graph_tokens });
+    routes.push_back({ at, ids, il, banks, in_place, false, false, graph_tokens });
+}
+
+void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at,
+        ggml_tensor * ids, int32_t il, int64_t n_expert, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, int64_t graph_tokens) {
+    if (rt == nullptr || il < 0 || il >= (int32_t) rt->index.size() || rt->index[il] < 0) {
+        return;
+    }
+    const rt_layer & l = rt->layers[rt->index[il]];
+    // the layer's own tensors (what its prompt graphs stage), routed to its number of experts (llama.cpp's warm-up
+    // routes to all of them), rows to read (a last layer none of whose tokens is an output computes none)
+    if (n_expert != l.n_expert || gate_exps != l.g.host[LLAMA_MOE_CACHE_GATE] || up_exps != l.g.host[LLAMA_MOE_CACHE_UP] ||
+            down_exps != l.g.host[LLAMA_MOE_CACHE_DOWN] || gate_up_exps != l.g.host[LLAMA_MOE_CACHE_GATE_UP] ||
+            ids->type != GGML_TYPE_I32 || ids->nb[0] != sizeof(int32_t) || ids->ne[0] != l.n_used || ids->ne[1] < 1 ||
+            layer_in_place(*rt, l)) {
+        return;
+    }
+    routes.push_back({ at, ids, il, false, false, false, true, graph_tokens });
+}
+
+void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t n_ubatch,
+        int64_t min_batch_ahead) {
+    if (rt == nullptr) {
+        return;
+    }
+    GGML_UNUSED(n_ubatch);
+    // no later ubatch of the call uploads ahead where fewer tokens than the min batch follow
+    const bool seeds = rt->seed_on && min_batch_ahead > 0 && n_tokens >= min_batch_ahead && n_after < min_batch_ahead;
+    rt->seed_tokens = seeds ? n_tokens : 0;
+    if (rt->seed_on && min_batch_ahead <= 0 && n_tokens > rt->decode_max && !rt->said_no_seed) {
+        LLAMA_LOG_INFO("llama_moe: expert cache: prompts do not seed it: no prompt uploads its experts ahead (the "
+                "host-weight prefetch is off, or op offload is off)\n");
+        rt->said_no_seed = true;
+    }
+}
+
+// the router's ids of a route (computed, its device synchronized) into rt.ids_host: token t's experts at
+// [t * stride, t * stride + ne[0]). The rows of a view of the argsort: the span they cover is read
+static int64_t read_ids(llama_moe_cache_rt & rt, const ggml_tensor * t) {
+    GGML_ASSERT(t->ne[1] >= 1);
+    const size_t span = (size_t) ((t->ne[1] - 1) * t->nb[1] + t->ne[0] * sizeof(int32_t));
+    rt.ids_host.resize(span / sizeof(int32_t) + 1);
+    ggml_backend_tensor_get(t, rt.ids_host.data(), 0, span);
+    return (int64_t) (t->nb[1] / sizeof(int32_t));
 }
 
 // reads a routing (computed, its device synchronized) and plans its layer: uploads the misses and the slot map
 static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r) {
     rt_layer & l = rt.layers[rt.index[r.il]];
-    const ggml_tensor * t = r.ids;
-    const int64_t n_tokens = t->ne[1];
-    const int64_t stride   = (int64_t) (t->nb[1] / sizeof(int32_t));
+    const int64_t n_tokens = r.ids->ne[1];
     GGML_ASSERT(n_tokens >= 1 && n_tokens <= rt.decode_max);
-    // the rows of a view of the argsort: read the span they cover
-    const size_t span = (size_t) ((n_tokens - 1) * t->nb[1] + t->ne[0] * sizeof(int32_t));
-    rt.ids_host.resize(span / sizeof(int32_t) + 1);
-    ggml_backend_tensor_get(t, rt.ids_host.data(), 0, span);
+    const int64_t stride = read_ids(rt, r.ids);
 
     planner_takes(l);
     const bool ok = rt.plan->plan_decode(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride, rt.dplan);
@@ -971,6 +1115,8 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
     }
     l.pending = rt.pplan.admits;
     std::fill(std::begin(l.filled), std::end(l.filled), 0);
+    std::fill(std::begin(l.staged), std::end(l.staged), nullptr);
+    l.staged_queue = nullptr;
 }
 
 // the moves of one kind in one call where the device's registry offers ggml_backend_copy_regions_async, else one
@@ -1014,6 +1160,8 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
     }
     plan_prompt_layer(rt, l);
     l.filled[k] += size;
+    l.staged[k] = copy;
+    l.staged_queue = queue;
 
     const size_t nb  = l.g.host[k]->nb[expert_dim(k)];
     const size_t end = offset + size;
@@ -1056,6 +1204,10 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
                       issue_moves(l, queue, weight, devs, false, rt.fill_regions);
     prompt_stats(rt, l).n_copy_calls += calls;
     rt.banks_on_queue = rt.banks_on_queue || !devs.empty();
+    // a seed planned before this tensor's staged copy was complete: its copies follow the last piece
+    if (l.seed_graph == rt.n_graphs && !l.seed_issued[k] && l.filled[k] == ggml_nbytes(l.g.host[k])) {
+        issue_seed(rt, l, k);
+    }
 }
 
 void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {
@@ -1068,14 +1220,61 @@ void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched)
 
 static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, const ggml_tensor * t) {
     for (const llama_moe_cache_route & r : *rt.routes) {
-        if (r.banks && r.at == t) {
+        if ((r.banks || (r.prompt && rt.seeding)) && r.at == t) {
             return &r;
         }
     }
     return nullptr;
 }
 
-// the user's callback observes node t; in a graph with device lookups, a stop may leave fills undone
+// the copies of layer l's seed for tensor k, from this graph's complete staged copy into the slots, on the copy
+// queue that staged it: behind the uploads and bank reads of that copy, and before any upload that reuses its place
+// (the scheduler queues those only once the split that reads it was released)
+static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k) {
+    const std::vector<llama_moe_cache_fill> & fills = l.seed_fills;
+    const size_t nb = l.g.host[k]->nb[expert_dim(k)];
+    rt.seed_moves.clear();
+    for (size_t a = 0; a < fills.size();) {
+        // runs of consecutive experts into consecutive slots (fills are sorted by slot)
+        size_t b = a + 1;
+        while (b < fills.size() && fills[b].slot == fills[b - 1].slot + 1 && fills[b].expert == fills[b - 1].expert + 1) {
+            b++;
+        }
+        rt.seed_moves.push_back({ l.staged[k], (size_t) fills[a].expert * nb, l.g.bank[k], (size_t) fills[a].slot * nb, (b - a) * nb });
+        a = b;
+    }
+    prompt_stats(rt, l).n_copy_calls += issue_moves(l, l.staged_queue, l.g.host[k], rt.seed_moves, false, rt.fill_regions);
+    l.seed_issued[k] = true;
+    rt.banks_on_queue = rt.banks_on_queue || !fills.empty();
+}
+
+// a prompt route of a seeding graph, its routing computed: the planner picks the layer's resident set from it, and
+// the experts that enter it are copied from the staged copies into their slots (llama-moe-cache-rt.h, "Seeding")
+static void seed_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r) {
+    const size_t i = (size_t) rt.index[r.il];
+    rt_layer & l = rt.layers[i];
+    if (l.seed_graph == rt.n_graphs) {
+        return; // a second routing of the layer in one graph
+    }
+    const int64_t stride = read_ids(rt, r.ids);
+    // the graph's plan of the layer (its bank reads and admits name the slots as they are now) before the seed changes
+    // what is resident: the copies of that plan precede the seed's on the queue
+    plan_prompt_layer(rt, l);
+    planner_takes(l);
+    rt.plan->seed(r.il, rt.ids_host.data(), r.ids->ne[1], l.n_used, stride, l.seed_fills);
+    l.seed_graph = rt.n_graphs;
+    std::fill(std::begin(l.seed_issued), std::end(l.seed_issued), false);
+    prompt_stats(rt, l).bytes_copied += l.seed_fills.size() * layer_expert_bytes(l);
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        if (l.g.bank[k] != nullptr && l.staged[k] != nullptr && l.filled[k] == ggml_nbytes(l.g.host[k])) {
+            issue_seed(rt, l, k);
+        }
+    }
+    if (rt.check_seed) {
+        rt.seeds_to_check.push_back(i);
+    }
+}
+
 static bool user_observes(llama_moe_cache_rt & rt, ggml_tensor * t) {
     const bool go_on = rt.user_cb(t, false, rt.user_data);
     if (!go_on && rt.graph_looks_up_on_device) {
@@ -1099,7 +1298,9 @@ static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
         rt.user_wants_it = rt.user_cb != nullptr && rt.user_cb(t, true, rt.user_data);
         return r != nullptr || rt.user_wants_it;
     }
-    if (r != nullptr) {
+    if (r != nullptr && r->prompt) {
+        seed_route(rt, *r);
+    } else if (r != nullptr) {
         plan_route(rt, *r);
     }
     return rt.user_asked == t && rt.user_wants_it ? user_observes(rt, t) : true;
@@ -1130,6 +1331,9 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     read_back_states(*rt, sched, rt->device_in_graph);
     for (const llama_moe_cache_route & r : routes) {
         rt_layer & l = rt->layers[rt->index[r.il]];
+        if (r.prompt) {
+            continue; // a routing for the seeding alone: the layer reads its host weights, counted by their own route
+        }
         if (r.device) {
             // the planner's state where it is newer, ahead of the graph on the stream that computes the lookup; the
             // host copy stays untouched until the state is read back (after a synchronization)
@@ -1185,7 +1389,15 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     rt->user_cb   = user_cb;
     rt->user_data = user_data;
     rt->graph_looks_up_on_device = device;
-    if (host_plan) {
+    // seeding (llama_moe_cache_seed_ubatch), where a cached layer of the graph stages on its device; else no callback
+    // and no synchronization is spent on it
+    rt->seeding = false;
+    for (const llama_moe_cache_route & r : routes) {
+        rt->seeding = rt->seeding || (r.prompt && r.graph_tokens == rt->seed_tokens &&
+                ggml_backend_sched_get_prefetch_depth(sched, rt->layers[rt->index[r.il]].backend, nullptr) > 0);
+    }
+    rt->seed_tokens = 0;
+    if (host_plan || rt->seeding) {
         rt->routes = &routes;
         ggml_backend_sched_set_eval_callback(sched, eval_callback, rt);
     } else if (device && user_cb != nullptr) {
@@ -1219,7 +1431,7 @@ int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t
     if (il < 0 || (il < (int32_t) rt->index.size() && rt->index[il] >= 0)) {
         const llama_moe_cache_stats s = rt->plan->get_stats(il, (llama_moe_cache_phase) phase);
         *out = { s.n_ubatches, s.n_hits, s.n_misses, s.n_overflow, s.n_fills, s.n_evictions, s.bytes_uploaded,
-                 s.bytes_copied, s.n_copy_calls, s.n_in_place, s.n_routed_in_place };
+                 s.bytes_copied, s.n_copy_calls, s.n_in_place, s.n_routed_in_place, s.n_seeded };
     }
     return (int32_t) rt->layers.size();
 }

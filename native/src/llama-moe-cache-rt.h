@@ -33,6 +33,18 @@
 // host-side plan) first reads the device's back, with the counters of its lookups (one synchronization per switch).
 // Elsewhere, or with LLAMA_MOE_CACHE_DEVICE=0, decode keeps the host-side plan; the context says once why.
 //
+// Seeding (issue 14): a prompt ubatch that uploads ahead stages every expert of a cached layer on the layer's device
+// (see llama_moe_cache_attach). The last such ubatch of a decode call (llama_moe_cache_seed_ubatch) reads each cached
+// layer's routing back once it is computed (an eval callback: the scheduler then computes the graph in pieces, a
+// synchronization at each routing and at each split's end) and the planner picks the resident set from it
+// (llama_moe_cache::seed); the experts that enter it are copied from the staged copy into their slots on the copy
+// queue, behind the uploads that staged them and before anything may reuse the staged memory (the scheduler queues
+// those only once the split that reads it is released, after this callback). The routing is read in the split before
+// the layer's, where the prefetch may not have issued the uploads of the layer's later tensors yet: a tensor's seed
+// copies follow its staged copy's last piece. A seed whose graph did not stage every tensor of the layer is taken back
+// with the graph's admits. LLAMA_MOE_CACHE_SEED=0 (or llama_moe_default_set_moe_cache_seed(0)) turns it off;
+// LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1 compares the seeded layers' slots with the host experts once the graph is done.
+//
 // Knob: llama_moe_default_set_moe_cache_mib (llama-moe.h, --moe-cache-mib) > LLAMA_MOE_CACHE_MIB > 0 (off). The
 // budget is per device; one larger than the device's free memory less 512 MiB is shrunk to it, with a warning.
 #pragma once
@@ -70,7 +82,8 @@ struct llama_moe_cache_graph_layer {
 // a router output of one graph that the cache reads back once the node `at` (the end of the routing, the last node
 // of what CUDA fuses) is computed: the ids, their layer, and whether the layer reads the banks through a plan (else
 // the graph could not promise that its experts fit the slots and the layer takes the staging path, counted as such)
-// or in place (nothing read back: counted when the graph is bound), or looked up on the device (at: the lookup)
+// or in place (nothing read back: counted when the graph is bound), or looked up on the device (at: the lookup), or
+// a prompt's routing that seeds the cache where the graph is bound to seed (prompt)
 struct llama_moe_cache_route {
     ggml_tensor * at;
     ggml_tensor * ids;
@@ -78,6 +91,7 @@ struct llama_moe_cache_route {
     bool          banks;
     bool          in_place;
     bool          device;
+    bool          prompt;
     int64_t       graph_tokens; // the ubatch's tokens (the layer may compute fewer rows): the phase it counts in
 };
 using llama_moe_cache_routes = std::vector<llama_moe_cache_route>;
@@ -114,6 +128,20 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
 // route, the bind counts the others
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
         int32_t il, bool banks, bool in_place, int64_t graph_tokens);
+// build_moe_ffn, for a layer that reads neither banks nor the staging path count (a prompt graph): records the routing
+// of a cached layer's own tensors (those it stages), for the seeding; nothing when the layer has no cache, its tensors
+// are others (a second call for the same layer), it is read in place, or it computes no rows
+void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at,
+        ggml_tensor * ids, int32_t il, int64_t n_expert, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, int64_t graph_tokens);
+// llama_context::decode, before each ubatch: whether its graph seeds. n_after: the call's tokens after it; n_ubatch:
+// the context's (unused); min_batch_ahead: the fewest tokens of a graph that uploads ahead (the prefetch's min batch),
+// <= 0 when none does (the prefetch off, or op offload off: the prompt's experts stay on the CPU). Seeds when the
+// ubatch uploads ahead and no later ubatch of the call can (fewer than min_batch_ahead tokens follow), so the last
+// large ubatch of a prompt seeds however the batch is split, and a small tail batch after it does not. A call of a
+// single ubatch (n_batch == n_ubatch) seeds each time.
+void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t n_ubatch,
+        int64_t min_batch_ahead);
 // llama_context::process_ubatch, before the graph reuse check: keeps or takes back the last graph's prompt admits
 // (which needs every copy of that graph issued: only between graphs). Graph builds and binds settle too.
 void llama_moe_cache_settle(llama_moe_cache_rt * rt);

@@ -86,6 +86,7 @@ void llama_moe_cache_stats::add(const llama_moe_cache_stats & o) {
     n_copy_calls   += o.n_copy_calls;
     n_in_place     += o.n_in_place;
     n_routed_in_place += o.n_routed_in_place;
+    n_seeded       += o.n_seeded;
 }
 
 // copies of the per-copy path: runs of consecutive experts (and, with slots, consecutive slots), per tensor
@@ -380,7 +381,11 @@ void llama_moe_cache::prompt_admit(int32_t il, const int32_t * ids, int64_t n_to
 
     if (ids == nullptr) {
         // the routing is not known (the uploads ran ahead of the router): uploads take the free slots in expert
-        // order; no resident is replaced and the scores stay as they are
+        // order and no resident is replaced. The scores age as in any prompt ubatch, so that an earlier prompt's
+        // counts lose their weight against the ubatches of this one (a seed adds this ubatch's)
+        for (int32_t e = 0; e < l.n_expert; e++) {
+            l.score[e] /= 2;
+        }
         for (int32_t e : out.uploads) {
             if (l.n_free == 0) {
                 break;
@@ -453,15 +458,81 @@ void llama_moe_cache::plan_prompt(int32_t il, const int32_t * ids, int64_t n_tok
     prompt_admit(il, ids, n_tokens, n_used, stride, out);
 }
 
-void llama_moe_cache::unadmit(int32_t il, const std::vector<llama_moe_cache_fill> & admits) {
+void llama_moe_cache::seed(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        std::vector<llama_moe_cache_fill> & fills) {
     llama_moe_cache_layer & l = layer_of(*this, il);
-    for (const llama_moe_cache_fill & f : admits) {
-        MOE_CACHE_ASSERT(l.slot_of[f.expert] == f.slot && l.expert_of[f.slot] == f.expert);
+    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+    fills.clear();
+    // the scores were aged by this ubatch's prompt_admit; its routed tokens are added now
+    count_routed(l, ids, n_tokens, n_used, stride);
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        l.score[e] += l.cnt[e];
+    }
+    // the new resident set: the highest scores (ties: residents first, then lower id), at most n_slots, none unscored
+    std::vector<int32_t> & want = scratch;
+    want.clear();
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        if (l.score[e] > 0) {
+            want.push_back(e);
+        }
+    }
+    std::sort(want.begin(), want.end(), [&l](int32_t a, int32_t b) {
+        if (l.score[a] != l.score[b]) {
+            return l.score[a] > l.score[b];
+        }
+        return (l.slot_of[a] >= 0) != (l.slot_of[b] >= 0) ? l.slot_of[a] >= 0 : a < b;
+    });
+    want.resize(std::min<size_t>(want.size(), (size_t) l.n_slots));
+    // the residents that stay are pinned; the rest of the set takes free slots, else the unpinned resident of the
+    // lowest score (ties: lower slot)
+    next_epoch(l);
+    for (int32_t e : want) {
+        if (l.slot_of[e] >= 0) {
+            l.pin[l.slot_of[e]] = l.epoch;
+            l.ref[l.slot_of[e]] = 1;
+        }
+    }
+    for (int32_t e : want) {
+        if (l.slot_of[e] >= 0) {
+            continue;
+        }
+        int32_t s = -1;
+        if (l.n_free > 0) {
+            s = free_slot(l, e);
+        } else {
+            for (int32_t i = 0; i < l.n_slots; i++) {
+                if (l.pin[i] != l.epoch && (s < 0 || l.score[l.expert_of[i]] < l.score[l.expert_of[s]])) {
+                    s = i;
+                }
+            }
+        }
+        MOE_CACHE_ASSERT(s >= 0 && "the set is no larger than the slots, and only its residents are pinned");
+        l.pin[s] = l.epoch;
+        st.n_seeded++;
+        if (assign(*this, l, e, s, st)) {
+            fills.push_back({ e, s });
+        }
+    }
+    std::sort(fills.begin(), fills.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
+        return a.slot < b.slot;
+    });
+}
+
+void llama_moe_cache::unadmit(int32_t il, const std::vector<llama_moe_cache_fill> & fills, bool seeded) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT];
+    for (const llama_moe_cache_fill & f : fills) {
+        MOE_CACHE_ASSERT(f.expert >= 0 && f.expert < l.n_expert && f.slot >= 0 && f.slot < l.n_slots);
+        if (l.slot_of[f.expert] != f.slot) {
+            continue; // replaced since
+        }
+        MOE_CACHE_ASSERT(l.expert_of[f.slot] == f.expert);
         l.slot_of[f.expert] = -1;
         l.expert_of[f.slot] = -1;
         l.ref[f.slot]       = 0;
         l.n_free++;
-        l.stats[LLAMA_MOE_CACHE_PHASE_PROMPT].n_fills--; // the bytes copied into the slots stay counted
+        st.n_fills--; // the bytes copied into the slots stay counted
+        st.n_seeded -= seeded;
     }
 }
 

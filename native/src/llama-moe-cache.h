@@ -23,7 +23,15 @@
 // or CLOCK would replace the whole set every ubatch and send every expert again. The resident set is kept stable
 // instead: residents stay; misses go to staging for this ubatch and fill free slots, highest score first; a
 // resident is replaced only when this ubatch does not route it and a miss's score (routed tokens, halved every
-// prompt ubatch) is more than twice its own. A prompt whose experts fit in the slots uploads each expert once.
+// prompt ubatch, with or without its routing) is more than twice its own. A prompt whose experts fit in the slots
+// uploads each expert once.
+//
+// Seeding (seed): the last large ubatch of a prompt staged every expert of each cached layer, so any of them can be
+// copied into a slot on the device without crossing PCIe again. Its routed tokens are added to the scores (which
+// its prompt_admit halved), and the experts of the highest scores, as many as there are slots,
+// become the resident set: residents in it stay, the others are replaced, free slots first. The first decode tokens
+// then find what the end of the prompt routed to, where the admits without routing kept the experts that happened
+// to come first.
 //
 // Whole layers (whole): free slots are taken own slot first, so a layer with a slot per expert holds expert e in
 // slot e and never evicts; once all its experts are resident it needs no plan at all: the graph reads its banks in
@@ -82,6 +90,7 @@ struct llama_moe_cache_stats {
     uint64_t n_copy_calls   = 0; // copies of the per-copy path: one per contiguous run and tensor
     uint64_t n_in_place     = 0; // steps of a whole layer, read in place: no plan, no routing read back
     uint64_t n_routed_in_place = 0; // ... the expert ids they routed, all resident (n_tokens x n_used a step)
+    uint64_t n_seeded       = 0; // experts made resident by a prompt's seeding (prompt phase; also in n_fills)
 
     void add(const llama_moe_cache_stats & o);
 };
@@ -165,9 +174,19 @@ struct llama_moe_cache {
     void plan_prompt(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, bool stage_all,
             llama_moe_cache_prompt_plan & out);
 
-    // takes back admits of an unrouted prompt_admit (into free slots) whose bytes did not all reach their slots (only
-    // part of the layer's tensors was staged, or the computation stopped): the slots are free again
-    void unadmit(int32_t il, const std::vector<llama_moe_cache_fill> & admits);
+    // the seeding of layer il by a ubatch that staged all of its experts (see "Seeding" above): fills lists the copies
+    // staged copy -> slot, sorted by slot, that make the new resident set. Counted in the prompt phase (n_seeded,
+    // n_fills, n_evictions; the bytes and calls are the caller's). In a layer with a slot per expert each expert takes its
+    // own slot, which is free while it is not resident: such a layer never evicts. Each fill counts for
+    // debug_skip_fill as any other.
+    void seed(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+            std::vector<llama_moe_cache_fill> & fills);
+
+    // takes back the admits of an unrouted prompt_admit, or the fills of a seed, whose bytes did not all reach their
+    // slots (only part of the layer's tensors was staged, or the computation stopped): each slot that still holds its
+    // fill's expert is free again (a seed may have replaced an admit of the same graph: that one is the seed's to take
+    // back); seeded: the fills are a seed's (n_seeded counts them no more)
+    void unadmit(int32_t il, const std::vector<llama_moe_cache_fill> & fills, bool seeded = false);
 
     // every expert of layer il is resident, each in its own slot (a layer with a slot per expert places them so):
     // its banks are the images of its host tensors, and a graph of any size may read them as the expert tensors

@@ -15,6 +15,14 @@ int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi);
 // --moe-cache-mib), else LLAMA_MOE_CACHE_MIB, else 0 (off)
 int64_t llama_moe_cache_context_mib();
 
+// whether a new cache seeds at a prompt's end: process default (llama-moe.h setter or --moe-cache-seed), else
+// LLAMA_MOE_CACHE_SEED, else on
+bool llama_moe_cache_context_seed();
+
+// LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1 (read once): every seeded slot is compared with its host expert once its graph
+// is done, and the result logged. Unset or 0: off.
+bool llama_moe_cache_debug_check_seed();
+
 // LLAMA_MOE_CACHE_DEBUG_SKIP_FILL=N (read once): the N-th fill of the cache is planned but never uploaded, so a slot
 // keeps stale bytes; a planted fault the identity cells must catch. Unset or 0: off.
 uint64_t llama_moe_cache_debug_skip_fill();

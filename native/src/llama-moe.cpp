@@ -205,7 +205,8 @@ void llama_moe_debug_slowdown(int64_t cycle_us) {
 //
 
 static std::mutex g_cache_mutex;
-static int64_t g_cache_mib = -1; // -1: unset
+static int64_t g_cache_mib  = -1; // -1: unset
+static int32_t g_cache_seed = -1; // -1: unset
 
 int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi) {
     const char * env = getenv(name);
@@ -234,6 +235,22 @@ int64_t llama_moe_cache_context_mib() {
     }
     static const int64_t env = llama_moe_env_whole("LLAMA_MOE_CACHE_MIB", 0, INT64_MAX);
     return env >= 0 ? env : 0;
+}
+
+bool llama_moe_cache_context_seed() {
+    {
+        std::lock_guard<std::mutex> lock(g_cache_mutex);
+        if (g_cache_seed >= 0) {
+            return g_cache_seed != 0;
+        }
+    }
+    static const int64_t env = llama_moe_env_whole("LLAMA_MOE_CACHE_SEED", 0, 1);
+    return env != 0;
+}
+
+bool llama_moe_cache_debug_check_seed() {
+    static const bool on = llama_moe_env_whole("LLAMA_MOE_CACHE_DEBUG_CHECK_SEED", 0, 1) == 1;
+    return on;
 }
 
 uint64_t llama_moe_cache_debug_skip_fill() {
@@ -267,6 +284,15 @@ void llama_moe_default_set_moe_cache_mib(int64_t mib) {
 
 int64_t llama_moe_default_get_moe_cache_mib(void) {
     return llama_moe_cache_context_mib();
+}
+
+void llama_moe_default_set_moe_cache_seed(int32_t on) {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_cache_seed = on >= 0 ? (on != 0) : -1;
+}
+
+int32_t llama_moe_default_get_moe_cache_seed(void) {
+    return llama_moe_cache_context_seed() ? 1 : 0;
 }
 
 void llama_moe_set_moe_cache_mib(llama_context * ctx, int64_t mib) {

@@ -1024,6 +1024,118 @@ static void lookup_handover() {
     check_cache(b);
 }
 
+// the hit rate of the next n_tokens tokens decoded one at a time from the router's draws, on the cache as it is
+static double decode_hit_rate(llama_moe_cache & c, bank & b, router & r, int n_tokens) {
+    llama_moe_cache_decode_plan p;
+    const uint64_t h0 = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE).n_hits;
+    const uint64_t m0 = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE).n_misses;
+    for (int t = 0; t < n_tokens; t++) {
+        const std::vector<int32_t> ids = r.route(1);
+        CHECK(c.plan_decode(0, ids.data(), 1, r.n_used, r.n_used, p), "token %d overflowed", t);
+        b.decode(c, 0, ids, p);
+    }
+    const llama_moe_cache_stats st = c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    return double(st.n_hits - h0) / double(st.n_hits - h0 + st.n_misses - m0);
+}
+
+static void seed_by_routing() {
+    // a prompt of 4 ubatches of 512 tokens staged ahead of the router fills 32 of 128 slots with experts 0-31 (the
+    // admits without routing); seeding from the last ubatch's routing makes the 32 experts of the highest scores
+    // resident instead, keeping the residents among them where they are. The first decode tokens then hit more often
+    // than on the unseeded cache, drawn the same way
+    const int32_t n_slots = 32;
+    llama_moe_cache seeded = one_layer(128, n_slots), plain = one_layer(128, n_slots);
+    bank bs(seeded), bp(plain);
+    router r(128, 8, 2.0, 11);
+    llama_moe_cache_prompt_plan p;
+    std::vector<int32_t> last;
+    for (int ub = 0; ub < 4; ub++) {
+        last = r.route(512);
+        for (llama_moe_cache * c : { &seeded, &plain }) {
+            c->prompt_stage(0, nullptr, 0, 8, 8, true, p);
+            c->prompt_admit(0, nullptr, 0, 8, 8, p);
+            (c == &seeded ? bs : bp).prompt(*c, 0, p);
+        }
+    }
+    const std::vector<int32_t> before = seeded.layer(0)->slot_of;
+    std::vector<llama_moe_cache_fill> fills;
+    seeded.seed(0, last.data(), 512, 8, 8, fills);
+    check_cache(seeded);
+    const llama_moe_cache_layer & l = *seeded.layer(0);
+    // the resident set is the top 32 of the scores (one seeded ubatch: its routed tokens)
+    std::vector<int32_t> cnt(128, 0), order(128);
+    for (int32_t e : last) {
+        cnt[e]++;
+    }
+    for (int32_t e = 0; e < 128; e++) {
+        order[e] = e;
+    }
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return cnt[a] != cnt[b] ? cnt[a] > cnt[b] : (before[a] >= 0) != (before[b] >= 0) ? before[a] >= 0 : a < b;
+    });
+    int kept = 0;
+    for (int32_t i = 0; i < 128; i++) {
+        const int32_t e = order[i];
+        CHECK((l.slot_of[e] >= 0) == (i < n_slots), "expert %d (rank %d, %d tokens) resident: %d", e, i, cnt[e], l.slot_of[e]);
+        if (i < n_slots && before[e] >= 0) {
+            CHECK(l.slot_of[e] == before[e], "resident %d moved from slot %d to %d", e, before[e], l.slot_of[e]);
+            kept++;
+        }
+    }
+    CHECK((int) fills.size() == n_slots - kept && fills.size() > 0, "%zu fills, %d kept", fills.size(), kept);
+    for (size_t i = 0; i < fills.size(); i++) {
+        CHECK(i == 0 || fills[i].slot > fills[i - 1].slot, "fills sorted by slot");
+        CHECK(l.slot_of[fills[i].expert] == fills[i].slot, "fill %zu: expert %d into slot %d", i, fills[i].expert, fills[i].slot);
+        bs.held[0][fills[i].slot] = fills[i].expert; // the copy staged -> slot
+    }
+    const llama_moe_cache_stats st = seeded.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    CHECK(st.n_seeded == fills.size() && st.n_evictions == fills.size(), "%" PRIu64 " seeded, %" PRIu64 " evictions",
+            st.n_seeded, st.n_evictions);
+    // the next 16 tokens, routed alike on both caches
+    router r1 = r;
+    const double hit_seeded = decode_hit_rate(seeded, bs, r, 16), hit_plain = decode_hit_rate(plain, bp, r1, 16);
+    CHECK(hit_seeded > hit_plain + 0.1, "first 16 tokens: %.3f seeded, %.3f not", hit_seeded, hit_plain);
+
+    // a layer with a slot per expert (16 of 16), two experts resident: seeding puts each routed expert into its own
+    // slot and evicts nothing
+    llama_moe_cache w = one_layer(16, 16);
+    const int32_t two[] = { 3, 9 };
+    llama_moe_cache_decode_plan dp;
+    CHECK(w.plan_decode(0, two, 1, 2, 2, dp), "decode");
+    const int32_t ids[] = { 1, 3, 5, 7, 1, 3, 5, 7 };
+    w.seed(0, ids, 2, 4, 4, fills);
+    check_cache(w);
+    CHECK(fills.size() == 3, "%zu fills (1, 5, 7; 3 and 9 are resident)", fills.size());
+    for (const llama_moe_cache_fill & f : fills) {
+        CHECK(f.slot == f.expert, "expert %d into slot %d", f.expert, f.slot);
+    }
+    CHECK(w.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT).n_evictions == 0, "evictions in a layer with a slot per expert");
+
+    // a seed whose graph did not stage all of the layer's bytes is taken back with the admits of that graph, some of
+    // which the seed replaced (those are skipped): every slot is free again; what stays counted is the admits the seed
+    // evicted (made resident, then replaced)
+    llama_moe_cache u = one_layer(128, 8);
+    u.prompt_stage(0, nullptr, 0, 8, 8, true, p);
+    u.prompt_admit(0, nullptr, 0, 8, 8, p);
+    const std::vector<llama_moe_cache_fill> admits = p.admits;
+    u.seed(0, last.data(), 512, 8, 8, fills);
+    CHECK(!fills.empty() && fills.size() < 8, "%zu seed fills over 8 admits", fills.size());
+    u.unadmit(0, fills, true);
+    u.unadmit(0, admits);
+    check_cache(u);
+    const llama_moe_cache_stats us = u.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT);
+    CHECK(u.layer(0)->n_free == 8 && us.n_fills == us.n_evictions && us.n_evictions == fills.size() && us.n_seeded == 0,
+            "%d free, %" PRIu64 " fills, %" PRIu64 " evictions, %" PRIu64 " seeded", u.layer(0)->n_free, us.n_fills,
+            us.n_evictions, us.n_seeded);
+
+    // the planted stale slot counts seed fills too: recorded, its copy left out
+    llama_moe_cache k = one_layer(128, 8);
+    k.debug_skip_fill = 2;
+    k.seed(0, last.data(), 4, 8, 8, fills);
+    CHECK(fills.size() == 7 && k.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT).n_seeded == 8, "%zu fills of 8 seeded", fills.size());
+    check_cache(k);
+}
+
 int main(int argc, char ** argv) {
     struct test_case {
         const char * name;
@@ -1050,6 +1162,7 @@ int main(int argc, char ** argv) {
         { "whole-layer",             whole_layer },
         { "fill-whole",              fill_whole },
         { "lookup-handover",         lookup_handover },
+        { "seed-by-routing",         seed_by_routing },
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s CASE|all|sim|list\n", argv[0]);

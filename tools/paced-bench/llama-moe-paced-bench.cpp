@@ -11,7 +11,11 @@
 //   tg-start   -> {"kind": "tg-start", "n_tokens": 0, "ns": 0}: clears the memory for a generation in chunks
 //   tg-more K  -> {"kind": "tg-more", "n_tokens": K, "ns": T}: K more tokens of that generation, timed alone.
 //                 A caller alternating the chunks of two processes pairs their samples within a second
-//                 instead of within a whole repetition.
+//                 instead of within a whole repetition. After `pp N` the generation continues the prompt (its
+//                 memory kept): `pp 4096` then `tg-more 16` times the first 16 tokens decoded after a prompt.
+//   moe-cache-reset -> {"kind": "moe-cache-reset", "n_tokens": 0, "ns": T}: a fresh expert cache of the same budget
+//                 (a patched build's llama_moe_set_moe_cache_mib, looked up at run time: master has none), so that
+//                 a repetition's prompt finds the cache as a new process would, not warmed by the last repetition
 //   other   -> {"error": "..."}, and the process keeps serving
 //   quit or end of input -> exit 0 (no reply)
 
@@ -19,6 +23,8 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "llama.h"
+
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -234,7 +240,8 @@ static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns) {
     });
 }
 
-// pp N and tg N: a whole test from an empty memory; a chunked generation does not continue after it
+// pp N and tg N: a whole test from an empty memory; a chunked generation continues after pp N (at position N),
+// not after tg N
 static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) {
     if (!prompt) {
         start_generation(st);
@@ -256,8 +263,27 @@ static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) 
             done += n;
         }
         llama_synchronize(st.ctx);
+        st.gen_pos = res == 0 ? n_tokens : -1;
         return res;
     });
+}
+
+// the patched build's expert cache functions (llama-moe.h), where the process has them
+typedef void    (*moe_cache_set_fn)(llama_context * ctx, int64_t mib);
+typedef int64_t (*moe_cache_get_fn)(const llama_context * ctx);
+
+// replaces the context's expert cache by a new one of the same budget; false where the build has no cache
+static bool reset_moe_cache(paced_state & st, uint64_t & ns) {
+    const auto set = (moe_cache_set_fn) dlsym(RTLD_DEFAULT, "llama_moe_set_moe_cache_mib");
+    const auto get = (moe_cache_get_fn) dlsym(RTLD_DEFAULT, "llama_moe_get_moe_cache_mib");
+    if (set == nullptr || get == nullptr) {
+        return false;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    llama_synchronize(st.ctx);
+    set(st.ctx, get(st.ctx));
+    ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    return true;
 }
 
 static void reply_error(const std::string & msg) {
@@ -289,6 +315,16 @@ static void serve(paced_state & st, const paced_params & p) {
             fflush(stdout);
             continue;
         }
+        if (kind == "moe-cache-reset") {
+            uint64_t ns = 0;
+            if (reset_moe_cache(st, ns)) {
+                printf("{\"kind\": \"moe-cache-reset\", \"n_tokens\": 0, \"ns\": %" PRIu64 "}\n", ns);
+                fflush(stdout);
+            } else {
+                reply_error("moe-cache-reset: this build has no expert cache (llama_moe_set_moe_cache_mib): use a patched build");
+            }
+            continue;
+        }
         if (kind == "tg-more") {
             int k = 0;
             if (st.gen_pos < 0) {
@@ -311,7 +347,7 @@ static void serve(paced_state & st, const paced_params & p) {
         const bool prompt = kind == "pp";
         int n = prompt ? p.n_prompt : p.n_gen;
         if (!prompt && kind != "tg") {
-            reply_error("unknown command '" + line + "': use pp [N], tg [N], tg-start, tg-more K or quit");
+            reply_error("unknown command '" + line + "': use pp [N], tg [N], tg-start, tg-more K, moe-cache-reset or quit");
             continue;
         }
         if (line.size() > 2 ? !parse_int(line.c_str() + 3, 1, n) : n == 0) {

@@ -1,0 +1,123 @@
+"""`pyllama-moe first-tokens`: how fast the first tokens after a prompt decode against the steady rate, per setting.
+
+Issue 14's target: the first 16 tokens decoded after a 4096-token prompt within 10% of the steady rate with the
+expert cache's seeding on, and reported with it off. One paced driver (tools/paced-bench) per setting, all loaded at
+once in a round; each repetition runs, for each setting in turn: `moe-cache-reset` (a fresh cache, as a new process
+has: else the last repetition's decode would have warmed it), `pp P` (the prompt), `tg-more F` (the first F tokens
+after it), `tg-more W` (decode on to the steady state, not counted) and `tg-more F` again (the steady F tokens). The
+ratio first / steady pairs the two within a repetition, seconds apart in one process; the interval is over rounds
+(a process per round), as `bench`'s are.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyllama_moe import paced
+from pyllama_moe.build import Build
+from pyllama_moe.errors import UserError
+from pyllama_moe.progress import say
+from pyllama_moe.stats import paired_ratio_interval
+
+LOAD_TIMEOUT_S = 600.0
+STEP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Setting:
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_setting(text: str) -> Setting:
+    """NAME or NAME=VAR=VALUE[,VAR=VALUE...]: a setting's label and the environment its process runs with."""
+    name, _, rest = text.partition("=")
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise UserError(f"--setting {text!r} has no valid name", "write NAME=VAR=VALUE,..., e.g. seed-off=LLAMA_MOE_CACHE_SEED=0")
+    env = {}
+    for pair in filter(None, rest.split(",")):
+        var, sep, value = pair.partition("=")
+        if not sep or not var:
+            raise UserError(f"--setting {text!r}: {pair!r} is not VAR=VALUE", "e.g. seed-off=LLAMA_MOE_CACHE_SEED=0")
+        env[var] = value
+    return Setting(name, env)
+
+
+@dataclass
+class Samples:
+    prompt: list[float] = field(default_factory=list)  # t/s of each repetition's prompt
+    first: list[float] = field(default_factory=list)   # t/s of its first F tokens
+    steady: list[float] = field(default_factory=list)  # t/s of its F tokens after the W more
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # per round: mean steady, mean first
+
+
+def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rounds: int, reps: int, first: int,
+            warm: int, reset: bool = True, log_dir: Path | None = None) -> dict[str, Samples]:
+    """The samples of each setting; spec.n_prompt is the prompt's length."""
+    if rounds < 1 or reps < 1 or first < 1 or warm < 0:
+        raise UserError("first-tokens needs --rounds, --reps and --first of at least 1, --warm of at least 0",
+                        "e.g. --rounds 3 --reps 3 --first 16 --warm 96")
+    need = spec.n_prompt + 2 * first + warm
+    spec.n_ctx = max(spec.n_ctx or 0, need)
+    exe = paced.ensure_tool(build)
+    out = {s.name: Samples() for s in settings}
+    for rnd in range(rounds):
+        started = time.monotonic()
+        procs = {s.name: paced.PacedProcess(exe, spec, s.env, label=s.name,
+                                            log_path=log_dir / f"first-tokens-r{rnd}-{s.name}.log" if log_dir else None)
+                 for s in settings}
+        per_round = {s.name: ([], []) for s in settings}
+        try:
+            for proc in procs.values():
+                proc.start()
+            for proc in procs.values():
+                proc.wait_ready(LOAD_TIMEOUT_S)
+            for proc in procs.values():
+                proc.run("tg 1", STEP_TIMEOUT_S)  # llama-bench's warm-up of a generation
+            for rep in range(reps):
+                order = settings if rep % 2 == 0 else settings[::-1]
+                for s in order:
+                    proc, got = procs[s.name], out[s.name]
+                    if reset:
+                        proc.run("moe-cache-reset", STEP_TIMEOUT_S)
+                    got.prompt.append(spec.n_prompt / (proc.run(f"pp {spec.n_prompt}", STEP_TIMEOUT_S)["ns"] / 1e9))
+                    got.first.append(first / (proc.run(f"tg-more {first}", STEP_TIMEOUT_S)["ns"] / 1e9))
+                    if warm:
+                        proc.run(f"tg-more {warm}", STEP_TIMEOUT_S)
+                    got.steady.append(first / (proc.run(f"tg-more {first}", STEP_TIMEOUT_S)["ns"] / 1e9))
+                    per_round[s.name][0].append(got.steady[-1])
+                    per_round[s.name][1].append(got.first[-1])
+        finally:
+            for proc in procs.values():
+                proc.close()
+        for name, (steady, first_rates) in per_round.items():
+            out[name].rounds.append((statistics.fmean(steady), statistics.fmean(first_rates)))
+        say(f"round {rnd + 1}: " + "; ".join(f"{n}: first {out[n].rounds[-1][1]:.2f} t/s, steady {out[n].rounds[-1][0]:.2f}"
+                                           for n in out) + f" ({time.monotonic() - started:.0f} s)")
+    return out
+
+
+def report(samples: dict[str, Samples], spec: paced.PacedSpec, first: int, warm: int) -> str:
+    """The table: per setting the medians and the ratio first / steady with its interval over rounds."""
+    lines = [f"| setting | pp{spec.n_prompt} t/s | first {first} t/s | steady {first} t/s (after {first + warm}) | "
+             f"first / steady [95% CI] | rounds x reps |", "|---|---:|---:|---:|---:|---:|"]
+    for name, s in samples.items():
+        iv = paired_ratio_interval(s.rounds)
+        ci = f"{iv.ratio:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv.low is not None else " (one round: no interval)")
+        lines.append(f"| {name} | {statistics.median(s.prompt):.1f} | {statistics.median(s.first):.2f} | "
+                     f"{statistics.median(s.steady):.2f} | {ci} | {len(s.rounds)} x {len(s.first) // len(s.rounds)} |")
+    return "\n".join(lines)
+
+
+def to_json(samples: dict[str, Samples], spec: paced.PacedSpec, first: int, warm: int) -> str:
+    rows = {}
+    for name, s in samples.items():
+        iv = paired_ratio_interval(s.rounds)
+        rows[name] = {"prompt_ts": s.prompt, "first_ts": s.first, "steady_ts": s.steady, "rounds": s.rounds,
+                      "ratio": iv.ratio, "low": iv.low, "high": iv.high}
+    return json.dumps({"n_prompt": spec.n_prompt, "n_ubatch": spec.n_ubatch, "first": first, "warm": warm,
+                       "settings": rows}, indent=1)
