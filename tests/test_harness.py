@@ -44,7 +44,7 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         # with the expert cache on, banks were made, decode read them (on the device, or with moe-cache-host through
         # the host-side plan), and prompts that upload ahead staged through it
         expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole",
-                                           "moe-cache-whole-routed", "moe-cache-split-ops") else set()
+                                           "moe-cache-whole-routed", "moe-cache-split-ops", "moe-cache-seed-off") else set()
         if knobs == "moe-cache-split-ops":
             assert checks["cache"]["detail"]["decode_path"] == "mixed"
         assert set(checks) == expected and all(c["identical"] for c in checks.values())

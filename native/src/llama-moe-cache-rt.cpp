@@ -132,6 +132,9 @@ struct llama_moe_cache_rt {
     // read and admit on the copy queue; the first graph of the other kind waits for that work (once per switch)
     bool banks_on_compute = false;
     bool banks_on_queue   = false;
+    // the copy queues that wrote the banks since that wait: synchronized by name as well, so that the wait does not
+    // depend on the scheduler still counting our copies as its own queued work
+    std::vector<ggml_backend_t> bank_queues;
 
     // seeding (llama-moe-cache-rt.h, "Seeding"): whether the cache seeds at all, whether the next graph bound is to
     // seed (llama_moe_cache_seed_ubatch), and whether the bound one does
@@ -317,6 +320,7 @@ static void fill_whole_layers(llama_moe_cache_rt & rt);
 static void planner_takes(rt_layer & l);
 static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l);
 static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k);
+static void note_bank_queue(llama_moe_cache_rt & rt, ggml_backend_t queue, bool wrote);
 
 static void choose_device_lookup(llama_moe_cache_rt & rt);
 
@@ -1203,7 +1207,7 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
     const int calls = issue_moves(l, queue, weight, ups, true, rt.fill_regions) +
                       issue_moves(l, queue, weight, devs, false, rt.fill_regions);
     prompt_stats(rt, l).n_copy_calls += calls;
-    rt.banks_on_queue = rt.banks_on_queue || !devs.empty();
+    note_bank_queue(rt, queue, !devs.empty());
     // a seed planned before this tensor's staged copy was complete: its copies follow the last piece
     if (l.seed_graph == rt.n_graphs && !l.seed_issued[k] && l.filled[k] == ggml_nbytes(l.g.host[k])) {
         issue_seed(rt, l, k);
@@ -1227,6 +1231,17 @@ static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, con
     return nullptr;
 }
 
+// a copy queue wrote the banks (wrote: any copy was issued): the next graph that reads them on a compute stream waits
+static void note_bank_queue(llama_moe_cache_rt & rt, ggml_backend_t queue, bool wrote) {
+    if (!wrote) {
+        return;
+    }
+    rt.banks_on_queue = true;
+    if (std::find(rt.bank_queues.begin(), rt.bank_queues.end(), queue) == rt.bank_queues.end()) {
+        rt.bank_queues.push_back(queue);
+    }
+}
+
 // the copies of layer l's seed for tensor k, from this graph's complete staged copy into the slots, on the copy
 // queue that staged it: behind the uploads and bank reads of that copy, and before any upload that reuses its place
 // (the scheduler queues those only once the split that reads it was released)
@@ -1245,7 +1260,7 @@ static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k) {
     }
     prompt_stats(rt, l).n_copy_calls += issue_moves(l, l.staged_queue, l.g.host[k], rt.seed_moves, false, rt.fill_regions);
     l.seed_issued[k] = true;
-    rt.banks_on_queue = rt.banks_on_queue || !fills.empty();
+    note_bank_queue(rt, l.staged_queue, !fills.empty());
 }
 
 // a prompt route of a seeding graph, its routing computed: the planner picks the layer's resident set from it, and
@@ -1373,15 +1388,16 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     }
     // a layer's first read in place may follow the copy queue's admits that completed it: the computes of the graph
     // that issued them waited for them, but that graph may have stopped early. Once per layer; reads alone follow
-    if (first_in_place && rt->banks_on_queue) {
+    // a decode graph reads and fills the banks on the compute streams, a prompt's fills read and admit (and its seed
+    // copies) on the copy queues: the first graph of the other kind waits for all of that work (once per switch). So
+    // does a layer's first read in place, which may follow the admits that completed it: the computes of the graph
+    // that issued them waited for them, but that graph may have stopped early (once per layer)
+    if ((first_in_place && rt->banks_on_queue) || (banks ? rt->banks_on_queue : rt->banks_on_compute)) {
         ggml_backend_sched_synchronize(sched);
-        rt->banks_on_queue   = false;
-        rt->banks_on_compute = false;
-    }
-    // a decode graph reads and fills the banks on the compute streams, a prompt's fills read and admit on the copy
-    // queues: the first graph of the other kind waits for all of the scheduler's work (once per switch)
-    if (banks ? rt->banks_on_queue : rt->banks_on_compute) {
-        ggml_backend_sched_synchronize(sched);
+        for (ggml_backend_t queue : rt->bank_queues) {
+            ggml_backend_synchronize(queue);
+        }
+        rt->bank_queues.clear();
         rt->banks_on_queue   = false;
         rt->banks_on_compute = false;
     }
