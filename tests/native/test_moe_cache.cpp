@@ -4,6 +4,7 @@
 //   c++ -std=c++17 -O2 -I native/src native/src/llama-moe-cache.cpp tests/native/test_moe_cache.cpp -o t
 //   t CASE    CASE: one of the names in main(), or "all"
 //   t sim     the hit-rate table of results/cache-planner.md
+//   t first-tokens  the planner's hit rates of the first tokens after a prompt, seeded or not (results/moe-cache-seed.md)
 //
 // Routing is drawn like the synthetic models' (pyllama_moe/synth/tensors.py): per token, router logits N(0, 1)
 // plus skew * z_e, z_e fixed per expert from a centred, standardised exponential; the top-k of them. The
@@ -1136,6 +1137,42 @@ static void seed_by_routing() {
     check_cache(k);
 }
 
+// `t first-tokens`: results/moe-cache-seed.md's planner-only estimate for the H200 measurement of the first tokens
+// after a prompt: the 30B-A3B shape (128 experts, top-8, skew 0.5) with 64 slots, 8 prompt ubatches of 512 staged
+// ahead of the router, then 16 decode tokens, 96 more, and 16 steady ones; the mean hit rates over 40 draws
+static int first_tokens_sim() {
+    for (const bool seeded : { false, true }) {
+        double first = 0, steady = 0;
+        const int n_draws = 40;
+        for (int draw = 0; draw < n_draws; draw++) {
+            llama_moe_cache c = one_layer(128, 64);
+            router r(128, 8, 0.5, 100 + draw);
+            llama_moe_cache_prompt_plan p;
+            std::vector<int32_t> last;
+            for (int ub = 0; ub < 8; ub++) {
+                last = r.route(512);
+                c.prompt_stage(0, nullptr, 0, 8, 8, true, p);
+                c.prompt_admit(0, nullptr, 0, 8, 8, p);
+            }
+            std::vector<llama_moe_cache_fill> fills;
+            if (seeded) {
+                c.seed(0, last.data(), 512, 8, 8, fills);
+            }
+            bank b(c);
+            for (const llama_moe_cache_layer & l : c.layers) {
+                for (int32_t s = 0; s < l.n_slots; s++) {
+                    b.held[0][s] = l.expert_of[s];
+                }
+            }
+            first += decode_hit_rate(c, b, r, 16) / n_draws;
+            decode_hit_rate(c, b, r, 96);
+            steady += decode_hit_rate(c, b, r, 16) / n_draws;
+        }
+        printf("%s: first 16 tokens hit %.3f, steady 16 (after 112) %.3f\n", seeded ? "seeded" : "not seeded", first, steady);
+    }
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     struct test_case {
         const char * name;
@@ -1165,12 +1202,15 @@ int main(int argc, char ** argv) {
         { "seed-by-routing",         seed_by_routing },
     };
     if (argc != 2) {
-        fprintf(stderr, "usage: %s CASE|all|sim|list\n", argv[0]);
+        fprintf(stderr, "usage: %s CASE|all|sim|first-tokens|list\n", argv[0]);
         return 2;
     }
     const std::string want = argv[1];
     if (want == "sim") {
         return sim();
+    }
+    if (want == "first-tokens") {
+        return first_tokens_sim();
     }
     if (want == "list") {
         for (const test_case & c : cases) {
