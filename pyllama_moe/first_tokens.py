@@ -6,7 +6,9 @@ once in a round; each repetition runs, for each setting in turn: `moe-cache-rese
 has: else the last repetition's decode would have warmed it), `pp P` (the prompt), `tg-more F` (the first F tokens
 after it), `tg-more W` (decode on to the steady state, not counted) and `tg-more F` again (the steady F tokens). The
 ratio first / steady pairs the two within a repetition, seconds apart in one process; the interval is over rounds
-(a process per round), as `bench`'s are.
+(a process per round), as `bench`'s are. Beside it: the time of each chunk's first token (after the prompt: the
+first decode graph) and, on a build with the expert cache, its decode hit rate over each chunk
+(`moe-cache-counters` before and after).
 """
 
 from __future__ import annotations
@@ -53,6 +55,40 @@ class Samples:
     first: list[float] = field(default_factory=list)   # t/s of its first F tokens
     steady: list[float] = field(default_factory=list)  # t/s of its F tokens after the W more
     rounds: list[tuple[float, float]] = field(default_factory=list)  # per round: mean steady, mean first
+    first_token_ms: list[float] = field(default_factory=list)   # the first of the first F (the first decode graph)
+    steady_token_ms: list[float] = field(default_factory=list)  # the first of the steady F
+    # the expert cache's decode hit rate over the first and the steady F tokens (empty without a cache)
+    first_hits: list[float] = field(default_factory=list)
+    steady_hits: list[float] = field(default_factory=list)
+
+
+def _hit_rate(before: dict, after: dict) -> float | None:
+    looked_up = after["hits"] - before["hits"] + after["misses"] - before["misses"]
+    return (after["hits"] - before["hits"]) / looked_up if looked_up else None
+
+
+def _timed_chunk(proc: paced.PacedProcess, n: int, counters: bool) -> tuple[float, float, float | None]:
+    """`tg-more n`: its t/s, its first token's ms, and the cache's decode hit rate over it (None without counters)."""
+    before = proc.run("moe-cache-counters", STEP_TIMEOUT_S) if counters else None
+    reply = proc.run(f"tg-more {n}", STEP_TIMEOUT_S)
+    after = proc.run("moe-cache-counters", STEP_TIMEOUT_S) if counters else None
+    rate = _hit_rate(before, after) if counters else None
+    return n / (reply["ns"] / 1e9), reply.get("first_ns", 0) / 1e6, rate
+
+
+def _record(rates: list[float], token_ms: list[float], hits: list[float], chunk: tuple[float, float, float | None]):
+    rates.append(chunk[0])
+    token_ms.append(chunk[1])
+    if chunk[2] is not None:
+        hits.append(chunk[2])
+
+
+def _has_counters(proc: paced.PacedProcess) -> bool:
+    try:
+        proc.run("moe-cache-counters", STEP_TIMEOUT_S)
+        return True
+    except UserError:
+        return False  # a build without the cache (master): rates only
 
 
 def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rounds: int, reps: int, first: int,
@@ -78,6 +114,7 @@ def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rou
                 proc.wait_ready(LOAD_TIMEOUT_S)
             for proc in procs.values():
                 proc.run("tg 1", STEP_TIMEOUT_S)  # llama-bench's warm-up of a generation
+            counters = {name: _has_counters(proc) for name, proc in procs.items()}
             for rep in range(reps):
                 order = settings if rep % 2 == 0 else settings[::-1]
                 for s in order:
@@ -85,10 +122,10 @@ def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rou
                     if reset:
                         proc.run("moe-cache-reset", STEP_TIMEOUT_S)
                     got.prompt.append(spec.n_prompt / (proc.run(f"pp {spec.n_prompt}", STEP_TIMEOUT_S)["ns"] / 1e9))
-                    got.first.append(first / (proc.run(f"tg-more {first}", STEP_TIMEOUT_S)["ns"] / 1e9))
+                    _record(got.first, got.first_token_ms, got.first_hits, _timed_chunk(proc, first, counters[s.name]))
                     if warm:
                         proc.run(f"tg-more {warm}", STEP_TIMEOUT_S)
-                    got.steady.append(first / (proc.run(f"tg-more {first}", STEP_TIMEOUT_S)["ns"] / 1e9))
+                    _record(got.steady, got.steady_token_ms, got.steady_hits, _timed_chunk(proc, first, counters[s.name]))
                     per_round[s.name][0].append(got.steady[-1])
                     per_round[s.name][1].append(got.first[-1])
         finally:
@@ -104,12 +141,19 @@ def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rou
 def report(samples: dict[str, Samples], spec: paced.PacedSpec, first: int, warm: int) -> str:
     """The table: per setting the medians and the ratio first / steady with its interval over rounds."""
     lines = [f"| setting | pp{spec.n_prompt} t/s | first {first} t/s | steady {first} t/s (after {first + warm}) | "
-             f"first / steady [95% CI] | rounds x reps |", "|---|---:|---:|---:|---:|---:|"]
+             f"first / steady [95% CI] | first token ms, first / steady | hit rate, first / steady | rounds x reps |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def pct(values):
+        return f"{statistics.fmean(values):.1%}" if values else "n/a"
+
     for name, s in samples.items():
         iv = paired_ratio_interval(s.rounds)
         ci = f"{iv.ratio:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv.low is not None else " (one round: no interval)")
         lines.append(f"| {name} | {statistics.median(s.prompt):.1f} | {statistics.median(s.first):.2f} | "
-                     f"{statistics.median(s.steady):.2f} | {ci} | {len(s.rounds)} x {len(s.first) // len(s.rounds)} |")
+                     f"{statistics.median(s.steady):.2f} | {ci} | {statistics.median(s.first_token_ms):.1f} / "
+                     f"{statistics.median(s.steady_token_ms):.1f} | {pct(s.first_hits)} / {pct(s.steady_hits)} | "
+                     f"{len(s.rounds)} x {len(s.first) // len(s.rounds)} |")
     return "\n".join(lines)
 
 
@@ -118,6 +162,8 @@ def to_json(samples: dict[str, Samples], spec: paced.PacedSpec, first: int, warm
     for name, s in samples.items():
         iv = paired_ratio_interval(s.rounds)
         rows[name] = {"prompt_ts": s.prompt, "first_ts": s.first, "steady_ts": s.steady, "rounds": s.rounds,
-                      "ratio": iv.ratio, "low": iv.low, "high": iv.high}
+                      "ratio": iv.ratio, "low": iv.low, "high": iv.high, "first_token_ms": s.first_token_ms,
+                      "steady_token_ms": s.steady_token_ms, "first_hit_rate": s.first_hits,
+                      "steady_hit_rate": s.steady_hits}
     return json.dumps({"n_prompt": spec.n_prompt, "n_ubatch": spec.n_ubatch, "first": first, "warm": warm,
                        "settings": rows}, indent=1)

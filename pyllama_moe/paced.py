@@ -81,7 +81,7 @@ def ensure_tool(build: Build) -> Path:
     cxx = shlex.split(os.environ.get("CXX") or "c++")
     cmd = [*cxx, "-std=c++17", "-O2", f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}", str(source),
            "-o", str(tmp), *(f"-L{d}" for d in lib_dirs), *(f"-Wl,-rpath,{d}" for d in lib_dirs),
-           *(f"-l{name}" for name in LIBRARIES), "-ldl", "-pthread"]  # -ldl: moe-cache-reset looks its symbol up
+           *(f"-l{name}" for name in LIBRARIES), "-pthread"]
     say(f"compiling {source.name} against {build.path.name} (log: {log})")
     try:
         with open(log, "wb") as fh:

@@ -196,7 +196,10 @@ def test_first_tokens_times_the_tokens_after_a_prompt_per_setting(patched_build,
     got = first_tokens.measure(patched_build, spec, settings, rounds=1, reps=2, first=4, warm=8)
     for s in got.values():
         assert len(s.prompt) == len(s.first) == len(s.steady) == 2 and len(s.rounds) == 1
-        assert min(s.prompt + s.first + s.steady) > 0
+        assert min(s.prompt + s.first + s.steady + s.first_token_ms + s.steady_token_ms) > 0
+        assert len(s.first_hits) == len(s.steady_hits) == 2  # the patched build's cache counters, per chunk
+    # the same tokens (the driver's unseeded rand) on both: the seeded cache hits more in the chunk after the prompt
+    assert sum(got["on"].first_hits) > sum(got["off"].first_hits), (got["on"].first_hits, got["off"].first_hits)
     table = first_tokens.report(got, spec, 4, 8)
     assert "| on |" in table and "| off |" in table and "(one round: no interval)" in table
     with pytest.raises(first_tokens.UserError, match="is not VAR=VALUE"):

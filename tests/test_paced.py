@@ -172,9 +172,15 @@ def test_a_fresh_expert_cache_on_the_patched_build_and_a_clear_refusal_on_master
         proc.wait_ready(300)
         with pytest.raises(UserError, match="this build has no expert cache"):
             proc.run("moe-cache-reset")
+        with pytest.raises(UserError, match="this build has no expert cache"):
+            proc.run("moe-cache-counters")
         _check(proc.run("pp 8"), "pp", 8)  # and it keeps serving
     with paced.PacedProcess(tools["patched"], _spec(model)) as proc:
         proc.wait_ready(300)
         reply = proc.run("moe-cache-reset")
         assert reply["kind"] == "moe-cache-reset" and reply["ns"] > 0
         _check(proc.run("pp 8"), "pp", 8)
+        counters = proc.run("moe-cache-counters")  # no cache made (LLAMA_MOE_CACHE_MIB unset): zeros
+        assert counters["kind"] == "moe-cache-counters" and counters["hits"] == counters["misses"] == 0
+        more = proc.run("tg-more 2")
+        assert 0 < more["first_ns"] < more["ns"]

@@ -14,8 +14,11 @@
 //                 instead of within a whole repetition. After `pp N` the generation continues the prompt (its
 //                 memory kept): `pp 4096` then `tg-more 16` times the first 16 tokens decoded after a prompt.
 //   moe-cache-reset -> {"kind": "moe-cache-reset", "n_tokens": 0, "ns": T}: a fresh expert cache of the same budget
-//                 (a patched build's llama_moe_set_moe_cache_mib, looked up at run time: master has none), so that
-//                 a repetition's prompt finds the cache as a new process would, not warmed by the last repetition
+//                 (a patched build's llama_moe_set_moe_cache_mib; master has none), so that a repetition's prompt
+//                 finds the cache as a new process would, not warmed by the last repetition
+//   moe-cache-counters -> {"kind": "moe-cache-counters", "n_tokens": 0, "ns": 0, "hits": H, "misses": M}: the
+//                 decode counters of the context's expert cache so far (hits include the ids of steps read in place)
+// tg-more's reply also has "first_ns": the time of its first token (after a prompt: the first decode graph).
 //   other   -> {"error": "..."}, and the process keeps serving
 //   quit or end of input -> exit 0 (no reply)
 
@@ -24,7 +27,11 @@
 #include "ggml-cpu.h"
 #include "llama.h"
 
-#include <dlfcn.h>
+// the patched build's header (the driver compiles against master too, which has none)
+#if __has_include("llama-moe.h")
+#include "llama-moe.h"
+#define PACED_HAS_MOE_CACHE 1
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -224,9 +231,11 @@ static void start_generation(paced_state & st) {
 // the next n_tokens of the current generation, one token per decode; the memory keeps the earlier chunks, so
 // the chunks of one generation decode exactly what `tg N` decodes. Tokens are random ids from the unseeded
 // std::rand, so two processes given the same commands decode the same tokens.
-static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns) {
+// first_ns (when not null): the time of the chunk's first token
+static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns, uint64_t * first_ns = nullptr) {
     return timed(st, ns, [&]() {
         int res = 0;
+        const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < n_tokens && res == 0; i++) {
             if (st.gen_pos == 0) {
                 st.tokens[0] = st.add_bos ? st.bos : std::rand() % st.n_vocab;
@@ -235,6 +244,9 @@ static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns) {
             llama_synchronize(st.ctx);
             st.tokens[0] = std::rand() % st.n_vocab;
             st.gen_pos++;
+            if (i == 0 && first_ns != nullptr) {
+                *first_ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+            }
         }
         return res;
     });
@@ -268,22 +280,32 @@ static int run_test(paced_state & st, bool prompt, int n_tokens, uint64_t & ns) 
     });
 }
 
-// the patched build's expert cache functions (llama-moe.h), where the process has them
-typedef void    (*moe_cache_set_fn)(llama_context * ctx, int64_t mib);
-typedef int64_t (*moe_cache_get_fn)(const llama_context * ctx);
-
 // replaces the context's expert cache by a new one of the same budget; false where the build has no cache
 static bool reset_moe_cache(paced_state & st, uint64_t & ns) {
-    const auto set = (moe_cache_set_fn) dlsym(RTLD_DEFAULT, "llama_moe_set_moe_cache_mib");
-    const auto get = (moe_cache_get_fn) dlsym(RTLD_DEFAULT, "llama_moe_get_moe_cache_mib");
-    if (set == nullptr || get == nullptr) {
-        return false;
-    }
+#ifdef PACED_HAS_MOE_CACHE
     const auto t0 = std::chrono::steady_clock::now();
     llama_synchronize(st.ctx);
-    set(st.ctx, get(st.ctx));
+    llama_moe_set_moe_cache_mib(st.ctx, llama_moe_get_moe_cache_mib(st.ctx));
     ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     return true;
+#else
+    (void) st; (void) ns;
+    return false;
+#endif
+}
+
+// the decode hits (steps read in place count their ids) and misses of the context's cache; false without a cache
+static bool moe_cache_decode_counters(paced_state & st, uint64_t & hits, uint64_t & misses) {
+#ifdef PACED_HAS_MOE_CACHE
+    llama_moe_cache_counters c = {};
+    llama_moe_cache_get_counters(st.ctx, -1, 1, &c);
+    hits   = c.n_hits + c.n_routed_in_place;
+    misses = c.n_misses;
+    return true;
+#else
+    (void) st; (void) hits; (void) misses;
+    return false;
+#endif
 }
 
 static void reply_error(const std::string & msg) {
@@ -321,7 +343,18 @@ static void serve(paced_state & st, const paced_params & p) {
                 printf("{\"kind\": \"moe-cache-reset\", \"n_tokens\": 0, \"ns\": %" PRIu64 "}\n", ns);
                 fflush(stdout);
             } else {
-                reply_error("moe-cache-reset: this build has no expert cache (llama_moe_set_moe_cache_mib): use a patched build");
+                reply_error("moe-cache-reset: this build has no expert cache (llama-moe.h): use a patched build");
+            }
+            continue;
+        }
+        if (kind == "moe-cache-counters") {
+            uint64_t hits = 0, misses = 0;
+            if (moe_cache_decode_counters(st, hits, misses)) {
+                printf("{\"kind\": \"moe-cache-counters\", \"n_tokens\": 0, \"ns\": 0, \"hits\": %" PRIu64 ", \"misses\": %" PRIu64 "}\n",
+                        hits, misses);
+                fflush(stdout);
+            } else {
+                reply_error("moe-cache-counters: this build has no expert cache (llama-moe.h): use a patched build");
             }
             continue;
         }
@@ -333,12 +366,12 @@ static void serve(paced_state & st, const paced_params & p) {
                 reply_error("bad token count in '" + line + "': a positive integer of at most " +
                             std::to_string(st.n_ctx - st.gen_pos) + " (the context left), e.g. tg-more 16");
             } else {
-                uint64_t ns = 0;
-                if (const int res = run_gen_chunk(st, k, ns)) {
+                uint64_t ns = 0, first_ns = 0;
+                if (const int res = run_gen_chunk(st, k, ns, &first_ns)) {
                     st.gen_pos = -1;
                     reply_error("decode failed in '" + line + "' (llama_process returned " + std::to_string(res) + "): rerun with -v for llama.cpp's log");
                 } else {
-                    printf("{\"kind\": \"tg-more\", \"n_tokens\": %d, \"ns\": %" PRIu64 "}\n", k, ns);
+                    printf("{\"kind\": \"tg-more\", \"n_tokens\": %d, \"ns\": %" PRIu64 ", \"first_ns\": %" PRIu64 "}\n", k, ns, first_ns);
                     fflush(stdout);
                 }
             }
@@ -347,7 +380,7 @@ static void serve(paced_state & st, const paced_params & p) {
         const bool prompt = kind == "pp";
         int n = prompt ? p.n_prompt : p.n_gen;
         if (!prompt && kind != "tg") {
-            reply_error("unknown command '" + line + "': use pp [N], tg [N], tg-start, tg-more K, moe-cache-reset or quit");
+            reply_error("unknown command '" + line + "': use pp [N], tg [N], tg-start, tg-more K, moe-cache-reset, moe-cache-counters or quit");
             continue;
         }
         if (line.size() > 2 ? !parse_int(line.c_str() + 3, 1, n) : n == 0) {
