@@ -132,9 +132,14 @@ def cache_counters(lib, ffi, ctx, phase: int, il: int = -1) -> tuple[int, dict[s
     return n_layers, {name: int(getattr(out, name)) for name, _ in ffi.typeof("struct llama_moe_cache_counters").fields}
 
 
-def decode_hit_rate(counters: dict[str, int]) -> float | None:
-    """The hit rate of decode counters (cache_counters' dict): steps read in place count their routed ids as hits;
-    None where nothing was looked up."""
-    hits = counters["n_hits"] + counters.get("n_routed_in_place", 0)
-    looked_up = hits + counters["n_misses"]
-    return hits / looked_up if looked_up else None
+def decode_hit_rate(counters: dict[str, int], since: dict[str, int] | None = None) -> float | None:
+    """The hit rate of decode counters (cache_counters' dict), or of what they counted after `since` (the same
+    counters read earlier): steps read in place count their routed ids as hits; None where nothing was looked up."""
+    def hits_misses(c):
+        return c["n_hits"] + c.get("n_routed_in_place", 0), c["n_misses"]
+
+    hits, misses = hits_misses(counters)
+    if since is not None:
+        hits0, misses0 = hits_misses(since)
+        hits, misses = hits - hits0, misses - misses0
+    return hits / (hits + misses) if hits + misses else None

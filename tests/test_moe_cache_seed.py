@@ -50,8 +50,7 @@ def _prompt(result):
 
 def _decode_rate(result):
     """The hit rate of the generated tokens' decode steps (the prompt's own steps left out)."""
-    before, after = result.stats["prompt"]["cache_decode"], result.stats["generate"]["cache_decode"]
-    return decode_hit_rate({k: after[k] - before[k] for k in after})
+    return decode_hit_rate(result.stats["generate"]["cache_decode"], since=result.stats["prompt"]["cache_decode"])
 
 
 @pytest.fixture(scope="module")

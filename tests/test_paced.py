@@ -167,7 +167,7 @@ def test_a_generation_in_chunks_continues_where_the_last_chunk_stopped(model, to
 
 
 def test_a_fresh_expert_cache_on_the_patched_build_and_a_clear_refusal_on_master(model, tools):
-    # moe-cache-reset looks the patched build's llama_moe_set_moe_cache_mib up at run time: master has none
+    # moe-cache-reset and moe-cache-counters call llama-moe.h, which the driver includes where the tree has it: not master
     with paced.PacedProcess(tools["master"], _spec(model)) as proc:
         proc.wait_ready(300)
         with pytest.raises(UserError, match="this build has no expert cache"):

@@ -29,8 +29,7 @@ def main() -> None:
                                   n_ubatch=128, n_batch=512, generate=generate, stats=True,
                                   env={**ENV, "LLAMA_MOE_CACHE_SEED": seed})
             got = runner.run(build, src, spec)
-            before, after = got.stats["prompt"]["cache_decode"], got.stats["generate"]["cache_decode"]
-            rates.append(decode_hit_rate({k: after[k] - before[k] for k in after}))
+            rates.append(decode_hit_rate(got.stats["generate"]["cache_decode"], since=got.stats["prompt"]["cache_decode"]))
         print(f"| {generate} ({generate - 1}) | {rates[0]:.3f} | {rates[1]:.3f} |")
 
 

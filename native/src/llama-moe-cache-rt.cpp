@@ -319,6 +319,7 @@ static bool fill_whole_on() {
 static void fill_whole_layers(llama_moe_cache_rt & rt);
 static void planner_takes(rt_layer & l);
 static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l);
+static bool staged_whole(const rt_layer & l, int k);
 static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k);
 static void note_bank_queue(llama_moe_cache_rt & rt, ggml_backend_t queue, bool wrote);
 
@@ -484,15 +485,21 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     return rt.release();
 }
 
+// the end of the run of fills (sorted by slot) that starts at i: consecutive experts into consecutive slots, one copy
+static size_t run_end(const std::vector<llama_moe_cache_fill> & fills, size_t i) {
+    size_t j = i + 1;
+    while (j < fills.size() && fills[j].slot == fills[j - 1].slot + 1 && fills[j].expert == fills[j - 1].expert + 1) {
+        j++;
+    }
+    return j;
+}
+
 // uploads fills (sorted by slot) from the host tensors into layer l's banks, one copy per run of consecutive experts
 // into consecutive slots and per tensor: on queue, or synchronously where queue is null; returns the bytes
 static size_t upload_fills(const rt_layer & l, const std::vector<llama_moe_cache_fill> & fills, ggml_backend_t queue) {
     size_t bytes = 0;
     for (size_t i = 0; i < fills.size();) {
-        size_t j = i + 1;
-        while (j < fills.size() && fills[j].slot == fills[j - 1].slot + 1 && fills[j].expert == fills[j - 1].expert + 1) {
-            j++;
-        }
+        const size_t j = run_end(fills, i);
         for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
             if (l.g.bank[k] == nullptr) {
                 continue;
@@ -737,13 +744,10 @@ static void check_seeds(llama_moe_cache_rt & rt) {
     if (rt.seeds_to_check.empty()) {
         return;
     }
-    std::vector<ggml_backend_t> done;
-    for (size_t i : rt.seeds_to_check) {
-        ggml_backend_t queue = rt.layers[i].staged_queue;
-        if (queue != nullptr && std::find(done.begin(), done.end(), queue) == done.end()) {
-            ggml_backend_synchronize(queue);
-            done.push_back(queue);
-        }
+    // the seeds' copy queues are among those that wrote the banks since the last switch to a compute stream (the
+    // check runs at the settle of the graph after the seeding one, before its bind may clear them)
+    for (ggml_backend_t queue : rt.bank_queues) {
+        ggml_backend_synchronize(queue);
     }
     uint64_t n_checked = 0, n_differ = 0;
     std::vector<uint8_t> bytes;
@@ -835,8 +839,7 @@ static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l) {
     }
     bool whole = true;
     for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
-        whole = whole && (l.g.bank[k] == nullptr ||
-                (l.filled[k] == ggml_nbytes(l.g.host[k]) && (l.seed_fills.empty() || l.seed_issued[k])));
+        whole = whole && (l.g.bank[k] == nullptr || (staged_whole(l, k) && (l.seed_fills.empty() || l.seed_issued[k])));
     }
     if (!whole) {
         planner_takes(l);
@@ -999,12 +1002,10 @@ void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache
     routes.push_back({ at, ids, il, false, false, false, true, graph_tokens });
 }
 
-void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t n_ubatch,
-        int64_t min_batch_ahead) {
+void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t min_batch_ahead) {
     if (rt == nullptr) {
         return;
     }
-    GGML_UNUSED(n_ubatch);
     // no later ubatch of the call uploads ahead where fewer tokens than the min batch follow
     const bool seeds = rt->seed_on && min_batch_ahead > 0 && n_tokens >= min_batch_ahead && n_after < min_batch_ahead;
     rt->seed_tokens = seeds ? n_tokens : 0;
@@ -1123,6 +1124,11 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
     l.staged_queue = nullptr;
 }
 
+// every byte of tensor k of layer l was staged on its device in the layer's current prompt plan (copy_fill)
+static bool staged_whole(const rt_layer & l, int k) {
+    return l.staged[k] != nullptr && l.filled[k] == ggml_nbytes(l.g.host[k]);
+}
+
 // the moves of one kind in one call where the device's registry offers ggml_backend_copy_regions_async, else one
 // call each; returns the calls
 static int issue_moves(const rt_layer & l, ggml_backend_t queue, const ggml_tensor * weight, const std::vector<fill_move> & moves,
@@ -1209,7 +1215,7 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
     prompt_stats(rt, l).n_copy_calls += calls;
     note_bank_queue(rt, queue, !devs.empty());
     // a seed planned before this tensor's staged copy was complete: its copies follow the last piece
-    if (l.seed_graph == rt.n_graphs && !l.seed_issued[k] && l.filled[k] == ggml_nbytes(l.g.host[k])) {
+    if (l.seed_graph == rt.n_graphs && !l.seed_issued[k] && staged_whole(l, k)) {
         issue_seed(rt, l, k);
     }
 }
@@ -1250,11 +1256,7 @@ static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k) {
     const size_t nb = l.g.host[k]->nb[expert_dim(k)];
     rt.seed_moves.clear();
     for (size_t a = 0; a < fills.size();) {
-        // runs of consecutive experts into consecutive slots (fills are sorted by slot)
-        size_t b = a + 1;
-        while (b < fills.size() && fills[b].slot == fills[b - 1].slot + 1 && fills[b].expert == fills[b - 1].expert + 1) {
-            b++;
-        }
+        const size_t b = run_end(fills, a); // fills are sorted by slot
         rt.seed_moves.push_back({ l.staged[k], (size_t) fills[a].expert * nb, l.g.bank[k], (size_t) fills[a].slot * nb, (b - a) * nb });
         a = b;
     }
@@ -1281,7 +1283,7 @@ static void seed_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     std::fill(std::begin(l.seed_issued), std::end(l.seed_issued), false);
     prompt_stats(rt, l).bytes_copied += l.seed_fills.size() * layer_expert_bytes(l);
     for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
-        if (l.g.bank[k] != nullptr && l.staged[k] != nullptr && l.filled[k] == ggml_nbytes(l.g.host[k])) {
+        if (l.g.bank[k] != nullptr && staged_whole(l, k)) {
             issue_seed(rt, l, k);
         }
     }
@@ -1290,6 +1292,7 @@ static void seed_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     }
 }
 
+// the user's callback observes node t; in a graph with device lookups, a stop may leave fills undone
 static bool user_observes(llama_moe_cache_rt & rt, ggml_tensor * t) {
     const bool go_on = rt.user_cb(t, false, rt.user_data);
     if (!go_on && rt.graph_looks_up_on_device) {
@@ -1386,8 +1389,6 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         banks     = banks || r.banks;
         host_plan = host_plan || r.banks;
     }
-    // a layer's first read in place may follow the copy queue's admits that completed it: the computes of the graph
-    // that issued them waited for them, but that graph may have stopped early. Once per layer; reads alone follow
     // a decode graph reads and fills the banks on the compute streams, a prompt's fills read and admit (and its seed
     // copies) on the copy queues: the first graph of the other kind waits for all of that work (once per switch). So
     // does a layer's first read in place, which may follow the admits that completed it: the computes of the graph

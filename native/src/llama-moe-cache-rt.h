@@ -134,14 +134,13 @@ void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes
 void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at,
         ggml_tensor * ids, int32_t il, int64_t n_expert, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
         const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, int64_t graph_tokens);
-// llama_context::decode, before each ubatch: whether its graph seeds. n_after: the call's tokens after it; n_ubatch:
-// the context's (unused); min_batch_ahead: the fewest tokens of a graph that uploads ahead (the prefetch's min batch),
+// llama_context::decode, before each ubatch: whether its graph seeds. n_after: the call's tokens after it;
+// min_batch_ahead: the fewest tokens of a graph that uploads ahead (the prefetch's min batch),
 // <= 0 when none does (the prefetch off, or op offload off: the prompt's experts stay on the CPU). Seeds when the
 // ubatch uploads ahead and no later ubatch of the call can (fewer than min_batch_ahead tokens follow), so the last
 // large ubatch of a prompt seeds however the batch is split, and a small tail batch after it does not. A call of a
 // single ubatch (n_batch == n_ubatch) seeds each time.
-void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t n_ubatch,
-        int64_t min_batch_ahead);
+void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t min_batch_ahead);
 // llama_context::process_ubatch, before the graph reuse check: keeps or takes back the last graph's prompt admits
 // (which needs every copy of that graph issued: only between graphs). Graph builds and binds settle too.
 void llama_moe_cache_settle(llama_moe_cache_rt * rt);
