@@ -57,6 +57,10 @@ class Samples:
     rounds: list[tuple[float, float]] = field(default_factory=list)  # per round: mean steady, mean first
     first_token_ms: list[float] = field(default_factory=list)   # the first of the first F (the first decode graph)
     steady_token_ms: list[float] = field(default_factory=list)  # the first of the steady F
+    # every token's ms of each repetition's first and steady F (on CUDA the first after a prompt runs without a CUDA
+    # graph and the second captures one)
+    first_tokens_ms: list[list[float]] = field(default_factory=list)
+    steady_tokens_ms: list[list[float]] = field(default_factory=list)
     # the expert cache's decode hit rate over the first and the steady F tokens (empty without a cache)
     first_hits: list[float] = field(default_factory=list)
     steady_hits: list[float] = field(default_factory=list)
@@ -67,18 +71,20 @@ def _hit_rate(before: dict, after: dict) -> float | None:
     return (after["hits"] - before["hits"]) / looked_up if looked_up else None
 
 
-def _timed_chunk(proc: paced.PacedProcess, n: int, counters: bool) -> tuple[float, float, float | None]:
-    """`tg-more n`: its t/s, its first token's ms, and the cache's decode hit rate over it (None without counters)."""
+def _timed_chunk(proc: paced.PacedProcess, n: int, counters: bool) -> tuple[float, list[float], float | None]:
+    """`tg-more n`: its t/s, each token's ms, and the cache's decode hit rate over it (None without counters)."""
     before = proc.run("moe-cache-counters", STEP_TIMEOUT_S) if counters else None
     reply = proc.run(f"tg-more {n}", STEP_TIMEOUT_S)
     after = proc.run("moe-cache-counters", STEP_TIMEOUT_S) if counters else None
     rate = _hit_rate(before, after) if counters else None
-    return n / (reply["ns"] / 1e9), reply.get("first_ns", 0) / 1e6, rate
+    return n / (reply["ns"] / 1e9), [ns / 1e6 for ns in reply["token_ns"]], rate
 
 
-def _record(rates: list[float], token_ms: list[float], hits: list[float], chunk: tuple[float, float, float | None]):
+def _record(rates: list[float], token_ms: list[float], tokens_ms: list[list[float]], hits: list[float],
+            chunk: tuple[float, list[float], float | None]):
     rates.append(chunk[0])
-    token_ms.append(chunk[1])
+    token_ms.append(chunk[1][0])
+    tokens_ms.append(chunk[1])
     if chunk[2] is not None:
         hits.append(chunk[2])
 
@@ -122,10 +128,10 @@ def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rou
                     if reset:
                         proc.run("moe-cache-reset", STEP_TIMEOUT_S)
                     got.prompt.append(spec.n_prompt / (proc.run(f"pp {spec.n_prompt}", STEP_TIMEOUT_S)["ns"] / 1e9))
-                    _record(got.first, got.first_token_ms, got.first_hits, _timed_chunk(proc, first, counters[s.name]))
+                    _record(got.first, got.first_token_ms, got.first_tokens_ms, got.first_hits, _timed_chunk(proc, first, counters[s.name]))
                     if warm:
                         proc.run(f"tg-more {warm}", STEP_TIMEOUT_S)
-                    _record(got.steady, got.steady_token_ms, got.steady_hits, _timed_chunk(proc, first, counters[s.name]))
+                    _record(got.steady, got.steady_token_ms, got.steady_tokens_ms, got.steady_hits, _timed_chunk(proc, first, counters[s.name]))
                     per_round[s.name][0].append(got.steady[-1])
                     per_round[s.name][1].append(got.first[-1])
         finally:
@@ -141,18 +147,21 @@ def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rou
 def report(samples: dict[str, Samples], spec: paced.PacedSpec, first: int, warm: int) -> str:
     """The table: per setting the medians and the ratio first / steady with its interval over rounds."""
     lines = [f"| setting | pp{spec.n_prompt} t/s | first {first} t/s | steady {first} t/s (after {first + warm}) | "
-             f"first / steady [95% CI] | first token ms, first / steady | hit rate, first / steady | rounds x reps |",
+             f"first / steady [95% CI] | tokens 1, 2, 3 ms: first / steady | hit rate, first / steady | rounds x reps |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def pct(values):
         return f"{statistics.fmean(values):.1%}" if values else "n/a"
 
+    def leading_ms(chunks):  # the median over repetitions of each of a chunk's first three tokens
+        return ", ".join(f"{statistics.median(c[i] for c in chunks):.1f}" for i in range(min(3, min(map(len, chunks)))))
+
     for name, s in samples.items():
         iv = paired_ratio_interval(s.rounds)
         ci = f"{iv.ratio:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv.low is not None else " (one round: no interval)")
         lines.append(f"| {name} | {statistics.median(s.prompt):.1f} | {statistics.median(s.first):.2f} | "
-                     f"{statistics.median(s.steady):.2f} | {ci} | {statistics.median(s.first_token_ms):.1f} / "
-                     f"{statistics.median(s.steady_token_ms):.1f} | {pct(s.first_hits)} / {pct(s.steady_hits)} | "
+                     f"{statistics.median(s.steady):.2f} | {ci} | {leading_ms(s.first_tokens_ms)} / "
+                     f"{leading_ms(s.steady_tokens_ms)} | {pct(s.first_hits)} / {pct(s.steady_hits)} | "
                      f"{len(s.rounds)} x {len(s.first) // len(s.rounds)} |")
     return "\n".join(lines)
 
@@ -163,7 +172,8 @@ def to_json(samples: dict[str, Samples], spec: paced.PacedSpec, first: int, warm
         iv = paired_ratio_interval(s.rounds)
         rows[name] = {"prompt_ts": s.prompt, "first_ts": s.first, "steady_ts": s.steady, "rounds": s.rounds,
                       "ratio": iv.ratio, "low": iv.low, "high": iv.high, "first_token_ms": s.first_token_ms,
-                      "steady_token_ms": s.steady_token_ms, "first_hit_rate": s.first_hits,
+                      "steady_token_ms": s.steady_token_ms, "first_tokens_ms": s.first_tokens_ms,
+                      "steady_tokens_ms": s.steady_tokens_ms, "first_hit_rate": s.first_hits,
                       "steady_hit_rate": s.steady_hits}
     return json.dumps({"n_prompt": spec.n_prompt, "n_ubatch": spec.n_ubatch, "first": first, "warm": warm,
                        "settings": rows}, indent=1)

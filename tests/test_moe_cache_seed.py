@@ -196,6 +196,9 @@ def test_first_tokens_times_the_tokens_after_a_prompt_per_setting(patched_build,
     for s in got.values():
         assert len(s.prompt) == len(s.first) == len(s.steady) == 2 and len(s.rounds) == 1
         assert min(s.prompt + s.first + s.steady + s.first_token_ms + s.steady_token_ms) > 0
+        # each token's time: four per chunk, the first of them the chunk's first token
+        assert [len(c) for c in s.first_tokens_ms + s.steady_tokens_ms] == [4] * 4
+        assert [c[0] for c in s.first_tokens_ms] == s.first_token_ms
         assert len(s.first_hits) == len(s.steady_hits) == 2  # the patched build's cache counters, per chunk
     # the same tokens (the driver's unseeded rand) on both: the seeded cache hits more in the chunk after the prompt
     assert sum(got["on"].first_hits) > sum(got["off"].first_hits), (got["on"].first_hits, got["off"].first_hits)

@@ -184,3 +184,4 @@ def test_a_fresh_expert_cache_on_the_patched_build_and_a_clear_refusal_on_master
         assert counters["kind"] == "moe-cache-counters" and counters["hits"] == counters["misses"] == 0
         more = proc.run("tg-more 2")
         assert 0 < more["first_ns"] < more["ns"]
+        assert len(more["token_ns"]) == 2 and more["token_ns"][0] == more["first_ns"] and sum(more["token_ns"]) <= more["ns"]

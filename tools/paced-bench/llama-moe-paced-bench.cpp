@@ -18,7 +18,9 @@
 //                 finds the cache as a new process would, not warmed by the last repetition
 //   moe-cache-counters -> {"kind": "moe-cache-counters", "n_tokens": 0, "ns": 0, "hits": H, "misses": M}: the
 //                 decode counters of the context's expert cache so far (hits include the ids of steps read in place)
-// tg-more's reply also has "first_ns": the time of its first token (after a prompt: the first decode graph).
+// tg-more's reply also has "token_ns": the time of each of its tokens (after a prompt, the first is the first decode
+// graph: a graph rebuilt, and on CUDA run without a CUDA graph; the second is captured into one), and "first_ns", the
+// first of them.
 //   other   -> {"error": "..."}, and the process keeps serving
 //   quit or end of input -> exit 0 (no reply)
 
@@ -231,12 +233,12 @@ static void start_generation(paced_state & st) {
 // the next n_tokens of the current generation, one token per decode; the memory keeps the earlier chunks, so
 // the chunks of one generation decode exactly what `tg N` decodes. Tokens are random ids from the unseeded
 // std::rand, so two processes given the same commands decode the same tokens.
-// first_ns (when not null): the time of the chunk's first token
-static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns, uint64_t * first_ns = nullptr) {
+// token_ns (when not null): the time of each token of the chunk
+static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns, std::vector<uint64_t> * token_ns = nullptr) {
     return timed(st, ns, [&]() {
         int res = 0;
-        const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < n_tokens && res == 0; i++) {
+            const auto t0 = std::chrono::steady_clock::now();
             if (st.gen_pos == 0) {
                 st.tokens[0] = st.add_bos ? st.bos : std::rand() % st.n_vocab;
             }
@@ -244,8 +246,8 @@ static int run_gen_chunk(paced_state & st, int n_tokens, uint64_t & ns, uint64_t
             llama_synchronize(st.ctx);
             st.tokens[0] = std::rand() % st.n_vocab;
             st.gen_pos++;
-            if (i == 0 && first_ns != nullptr) {
-                *first_ns = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+            if (token_ns != nullptr) {
+                token_ns->push_back((uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
             }
         }
         return res;
@@ -366,12 +368,19 @@ static void serve(paced_state & st, const paced_params & p) {
                 reply_error("bad token count in '" + line + "': a positive integer of at most " +
                             std::to_string(st.n_ctx - st.gen_pos) + " (the context left), e.g. tg-more 16");
             } else {
-                uint64_t ns = 0, first_ns = 0;
-                if (const int res = run_gen_chunk(st, k, ns, &first_ns)) {
+                uint64_t ns = 0;
+                std::vector<uint64_t> token_ns;
+                token_ns.reserve(k);
+                if (const int res = run_gen_chunk(st, k, ns, &token_ns)) {
                     st.gen_pos = -1;
                     reply_error("decode failed in '" + line + "' (llama_process returned " + std::to_string(res) + "): rerun with -v for llama.cpp's log");
                 } else {
-                    printf("{\"kind\": \"tg-more\", \"n_tokens\": %d, \"ns\": %" PRIu64 ", \"first_ns\": %" PRIu64 "}\n", k, ns, first_ns);
+                    std::string per_token;
+                    for (const uint64_t t : token_ns) {
+                        per_token += (per_token.empty() ? "" : ", ") + std::to_string(t);
+                    }
+                    printf("{\"kind\": \"tg-more\", \"n_tokens\": %d, \"ns\": %" PRIu64 ", \"first_ns\": %" PRIu64 ", \"token_ns\": [%s]}\n",
+                           k, ns, token_ns.front(), per_token.c_str());
                     fflush(stdout);
                 }
             }
