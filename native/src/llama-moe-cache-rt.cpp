@@ -123,6 +123,9 @@ struct llama_moe_cache_rt {
     // the user's eval callback stopped a graph that looked up on the device: fills after the stop did not run, so the
     // device's state may name experts whose bytes never reached their slots (see llama_moe_cache_settle)
     bool device_graph_stopped = false;
+    // LLAMA_MOE_DEBUG_DECODE_TIMES: the last bind's waits and slot state uploads (llama_moe_cache_debug_bind_us)
+    int64_t debug_bind_sync_us   = 0;
+    int64_t debug_bind_upload_us = 0;
     bool graph_looks_up_on_device = false; // the bound graph has device lookups (alone, or beside host-planned layers)
 
     // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
@@ -1346,7 +1349,10 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
             device = true;
         }
     }
+    const int64_t t_read_back = ggml_time_us();
     read_back_states(*rt, sched, rt->device_in_graph);
+    rt->debug_bind_sync_us   = ggml_time_us() - t_read_back;
+    rt->debug_bind_upload_us = 0;
     for (const llama_moe_cache_route & r : routes) {
         rt_layer & l = rt->layers[rt->index[r.il]];
         if (r.prompt) {
@@ -1356,12 +1362,14 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
             // the planner's state where it is newer, ahead of the graph on the stream that computes the lookup; the
             // host copy stays untouched until the state is read back (after a synchronization)
             if (l.state_ahead == rt_layer::STATE_HOST_AHEAD) {
+                const int64_t t_upload = ggml_time_us();
                 l.state_host.resize(ggml_nelements(l.state));
                 rt->plan->get_state(r.il, l.state_host.data());
                 ggml_backend_tensor_set_async(l.backend, l.state, l.state_host.data(), 0, ggml_nbytes(l.state));
                 std::fill(std::begin(l.device_counted), std::end(l.device_counted), 0); // the counters start at 0 there
                 const llama_moe_cache_layer & pl = *rt->plan->layer(r.il);
                 l.next_whole_check = l.device_steps + std::max<int64_t>(1, pl.n_free / std::max(1, l.n_used));
+                rt->debug_bind_upload_us += ggml_time_us() - t_upload;
             }
             l.state_ahead    = rt_layer::STATE_DEVICE_AHEAD;
             l.in_place_bound = false;
@@ -1394,6 +1402,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     // does a layer's first read in place, which may follow the admits that completed it: the computes of the graph
     // that issued them waited for them, but that graph may have stopped early (once per layer)
     if ((first_in_place && rt->banks_on_queue) || (banks ? rt->banks_on_queue : rt->banks_on_compute)) {
+        const int64_t t_switch = ggml_time_us();
         ggml_backend_sched_synchronize(sched);
         for (ggml_backend_t queue : rt->bank_queues) {
             ggml_backend_synchronize(queue);
@@ -1401,6 +1410,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         rt->bank_queues.clear();
         rt->banks_on_queue   = false;
         rt->banks_on_compute = false;
+        rt->debug_bind_sync_us += ggml_time_us() - t_switch;
     }
     rt->banks_on_compute = rt->banks_on_compute || banks;
     rt->user_cb   = user_cb;
@@ -1424,6 +1434,11 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     } else {
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
     }
+}
+
+void llama_moe_cache_debug_bind_us(const llama_moe_cache_rt * rt, int64_t * sync_us, int64_t * upload_us) {
+    *sync_us   = rt ? rt->debug_bind_sync_us : 0;
+    *upload_us = rt ? rt->debug_bind_upload_us : 0;
 }
 
 int64_t llama_moe_cache_budget_mib(const llama_moe_cache_rt * rt) {

@@ -158,6 +158,10 @@ void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched)
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
         ggml_backend_sched_eval_callback user_cb, void * user_data);
 
+// LLAMA_MOE_DEBUG_DECODE_TIMES: what the last bind spent waiting for earlier work (the handover's read back and the
+// switch between copy queues and compute streams) and uploading slot states, in microseconds (0 without a cache)
+void llama_moe_cache_debug_bind_us(const llama_moe_cache_rt * rt, int64_t * sync_us, int64_t * upload_us);
+
 // llama_moe_cache_get_counters: the stats of layer il (< 0: all) and phase; returns the cached layers. Reads the device
 // lookups' counters back first (a synchronization, where a layer looked up on its device since the last handover)
 int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t phase, struct llama_moe_cache_counters * out);

@@ -9,6 +9,8 @@
 
 #include "ggml-backend.h"
 
+#include <algorithm>
+#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -327,4 +329,48 @@ size_t llama_moe_cache_size(const llama_context * ctx) {
         n += size;
     }
     return n;
+}
+
+//
+// debug: where the first decode steps after a prompt spend their time
+//
+
+static int debug_decode_times_n() {
+    static const int n = (int) std::max<int64_t>(0, llama_moe_env_whole("LLAMA_MOE_DEBUG_DECODE_TIMES", 0, 1000000));
+    return n;
+}
+
+bool llama_moe_debug_decode_times_on() {
+    return debug_decode_times_n() > 0;
+}
+
+// the ubatches timed since the last large one, and whether the last ubatch was one of them (its synchronization is
+// reported too); one context at a time is what this debug knob is for
+static int  debug_decode_step = -1;
+static bool debug_decode_timed = false;
+
+void llama_moe_debug_decode_times(int64_t n_tokens, bool reused, int64_t t_start, int64_t t_built, int64_t t_inputs,
+        int64_t t_bound, int64_t t_queued, int64_t cache_sync_us, int64_t cache_upload_us) {
+    debug_decode_timed = false;
+    if (n_tokens > 8) {
+        debug_decode_step = 0;
+        return;
+    }
+    if (debug_decode_step < 0 || debug_decode_step >= debug_decode_times_n()) {
+        return;
+    }
+    debug_decode_step++;
+    debug_decode_timed = true;
+    // stderr, as the planted slowdown: benchmark tools silence llama.cpp's log
+    fprintf(stderr, "llama_moe: decode step %d after a prompt (%" PRId64 " tokens): graph %s %.3f ms, inputs %.3f ms, "
+            "expert cache bind %.3f ms (waiting %.3f, slot states %.3f), compute queued %.3f ms\n", debug_decode_step,
+            n_tokens, reused ? "reused" : "built+allocated", (t_built - t_start) / 1e3, (t_inputs - t_built) / 1e3,
+            (t_bound - t_inputs) / 1e3, cache_sync_us / 1e3, cache_upload_us / 1e3, (t_queued - t_bound) / 1e3);
+}
+
+void llama_moe_debug_decode_sync(int64_t sync_us) {
+    if (debug_decode_timed) {
+        fprintf(stderr, "llama_moe: decode step %d after a prompt: synchronize %.3f ms\n", debug_decode_step, sync_us / 1e3);
+        debug_decode_timed = false;
+    }
 }
