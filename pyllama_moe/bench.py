@@ -58,6 +58,8 @@ class Sample:
     # build reports one (patched llama-bench with a cache; bench_hits.py)
     hit_rate: float | None = None
     layer_hit_rates: str | None = None
+    # ... and the bytes its decode steps uploaded from the host (the misses' experts: what crossed PCIe)
+    upload_bytes: int | None = None
 
 
 @dataclass
@@ -222,10 +224,12 @@ def _add_invocation(result: BenchResult, entries: list[dict], side: str, rnd: in
         row = result.rows.setdefault(key, BenchRow(key, test_label(entry), {f: entry.get(f) for f in TEST_FIELDS}))
         hits = entry.get("samples_moe_cache_hit_rate") or []
         layer_hits = entry.get("samples_moe_cache_layer_hit_rates") or []
+        uploads = entry.get("samples_moe_cache_upload_bytes") or []
         for rep, ts in enumerate(entry.get("samples_ts") or [entry["avg_ts"]]):
             hit = float(hits[rep]) if rep < len(hits) and hits[rep] >= 0 else None
             layers = layer_hits[rep] if rep < len(layer_hits) and hit is not None else None
-            row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard, hit, layers))
+            uploaded = int(uploads[rep]) if rep < len(uploads) and hit is not None else None
+            row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard, hit, layers, uploaded))
     _unique_labels(list(result.rows.values()))
 
 

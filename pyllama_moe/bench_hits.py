@@ -8,6 +8,9 @@ same repetitions. Each repetition of a decode test looks up as many experts per 
 of one-token steps, top-k each), so the mean of the repetitions' rates is the rate of their pooled lookups. The
 first repetition of each process (a fresh context: its cache empty but for llama-bench's one-token warm-up run) is
 reported apart as the cold rate.
+
+Beside the rates, the bytes the decode steps uploaded from the host per repetition (`samples_moe_cache_upload_bytes`:
+the misses' experts, what crosses PCIe), divided by the test's generated tokens: the bytes over PCIe per token.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def parse_layer_rates(text: str | None) -> dict[int, float]:
 
 
 def side_hits(row: BenchRow, side: str) -> dict | None:
-    """The hit rates of one side of a row: kept repetitions (overall and per layer) and each process's first (cold)."""
+    """The hit rates of one side of a row: kept repetitions (overall and per layer) and each process's first (cold);
+    the bytes over PCIe per generated token of the kept repetitions (None where the build does not report them)."""
     kept = [s for s in row.samples if s.side == side and not s.discarded and s.hit_rate is not None]
     cold = [s.hit_rate for s in row.samples if s.side == side and s.rep == 0 and s.hit_rate is not None]
     if not kept:
@@ -37,7 +41,11 @@ def side_hits(row: BenchRow, side: str) -> dict | None:
     for s in kept:
         for il, rate in parse_layer_rates(s.layer_hit_rates).items():
             per_layer.setdefault(il, []).append(rate)
+    uploads = [s.upload_bytes for s in kept if s.upload_bytes is not None]
+    n_gen = row.fields.get("n_gen") or 0
+    per_token = statistics.fmean(uploads) / n_gen if uploads and n_gen > 0 else None
     return {"hit_rate": statistics.fmean(s.hit_rate for s in kept), "repetitions": len(kept),
+            "upload_bytes_per_token": per_token,
             "cold_hit_rate": statistics.fmean(cold) if cold else None,
             "layers": {il: statistics.fmean(rates) for il, rates in sorted(per_layer.items())}}
 
@@ -64,6 +72,8 @@ def hit_columns(hits: dict[str, dict], names: dict[str, str]) -> dict[str, dict[
             layers = list(h["layers"].values())
             spread = f" (layers {_pct(min(layers))}-{_pct(max(layers))})" if layers else ""
             cols.setdefault(label, {})[f"hit rate, {names[side]}"] = _pct(h["hit_rate"]) + spread
+            if h.get("upload_bytes_per_token") is not None:
+                cols[label][f"PCIe per token, {names[side]}"] = f"{h['upload_bytes_per_token'] / 2**20:.2f} MiB"
     return cols
 
 

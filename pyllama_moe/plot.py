@@ -6,7 +6,7 @@ line at 1.0; a point whose interval excludes 1.0 is filled, one whose interval i
 interval) is hollow. Files of schema 1 (before intervals) still plot, without error bars.
 
 `--samples` draws every sample of one run; `--sweep FIELD` one number per test against a setting
-(`pyllama_moe.plot_sweep`); `--hit-rates` the expert cache's hit rate per layer (`pyllama_moe.plot_hits`). The output format follows the suffix of -o (.svg, .png, .pdf).
+(`pyllama_moe.plot_sweep`); `--hit-rates` the expert cache's hit rate per layer and, where the rows say it, the bytes over PCIe per generated token (`pyllama_moe.plot_hits`). The output format follows the suffix of -o (.svg, .png, .pdf).
 """
 
 from __future__ import annotations
@@ -344,7 +344,8 @@ def register(sub) -> None:
                       help="draw one number per test against this field of the test key (e.g. n_ubatch), "
                            "a line per file and setting")
     what.add_argument("--hit-rates", action="store_true",
-                      help="draw the expert cache's decode hit rate per layer of every row that has one")
+                      help="draw the expert cache's decode hit rate per layer of every row that has one, and the bytes "
+                           "over PCIe per generated token where the rows say it")
     p.add_argument("--sweep-y", choices=("ratio", "share", "ts"), default="ratio",
                    help="with --sweep: the ratio with its interval (default), the share of the --limit-row "
                         "row, or the candidate's median t/s")

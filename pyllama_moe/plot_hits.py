@@ -4,6 +4,9 @@ files whose rows carry one (`bench_hits.py`: a patched llama-bench with the cach
 One line per file, row and side with a cache, the layer index on x and the hit rate on y, the row's overall rate
 in its legend entry. The layers of a model route alike, so a flat line is what an equal share of slots per layer
 gives; a layer that sags is one that routes more widely (or has fewer slots) and is where a budget helps most.
+
+Where the rows also say what their decode steps uploaded (`upload_bytes_per_token`: the misses' experts), a second
+panel draws the bytes over PCIe per generated token, a bar per row and side: what the hit rate costs in transfers.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from pyllama_moe.errors import UserError
 from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file
 
 
-def hit_series(path: Path) -> list[tuple[str, list[tuple[int, float]], float]]:
-    """(label, [(layer, rate)], overall rate) for every row and side of one bench file that has hit rates."""
+def hit_series(path: Path) -> list[tuple[str, list[tuple[int, float]], float, float | None]]:
+    """(label, [(layer, rate)], overall rate, bytes over PCIe per token or None) for every row and side of one bench
+    file that has hit rates."""
     meta, tests = _read_file(Path(path), normalize=False)
     names = {"baseline": meta.get("baseline_name") or "baseline", "candidate": meta.get("candidate_name") or "candidate"}
     out = []
@@ -23,7 +27,9 @@ def hit_series(path: Path) -> list[tuple[str, list[tuple[int, float]], float]]:
         for t in tests:
             for side, h in (t.get("hit_rate") or {}).items():
                 layers = sorted((int(il), float(rate)) for il, rate in h["layers"].items())
-                out.append((f"{t['test']}, {names.get(side, side)}", layers, float(h["hit_rate"])))
+                per_token = h.get("upload_bytes_per_token")
+                out.append((f"{t['test']}, {names.get(side, side)}", layers, float(h["hit_rate"]),
+                            None if per_token is None else float(per_token)))
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise UserError(f"{path} {NOT_BENCH} with hit rates per layer ({exc})", NOT_BENCH_FIX) from exc
     return out
@@ -38,9 +44,22 @@ def hit_rates_figure(paths: list[Path], title: str = ""):
         raise UserError("no row of " + ", ".join(str(p) for p in paths) + " has a cache hit rate",
                         "bench a patched build with the cache on (e.g. --candidate-env LLAMA_MOE_CACHE_MIB=7800); "
                         "its llama-bench reports the rates")
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
-    ax = fig.subplots()
-    for file_name, (label, layers, overall) in series:
+    transfers = [(file_name, label, per_token) for file_name, (label, _, _, per_token) in series if per_token is not None]
+    fig = Figure(figsize=(15 if transfers else 10, 4.5), layout="constrained")
+    if transfers:
+        ax, bars = fig.subplots(1, 2, width_ratios=(2, 1))
+        names = [f"{f}: {label}" if f else label for f, label, _ in transfers]
+        values = [per_token / 2**20 for _, _, per_token in transfers]
+        bars.barh(range(len(values)), values, color="tab:orange")
+        bars.set_yticks(range(len(values)), names, fontsize=8)
+        bars.invert_yaxis()
+        for i, v in enumerate(values):
+            bars.annotate(f"{v:.2f}", (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        bars.set_xlabel("MiB over PCIe per generated token (decode uploads)")
+        bars.grid(axis="x", alpha=0.3)
+    else:
+        ax = fig.subplots()
+    for file_name, (label, layers, overall, _) in series:
         xs, ys = zip(*layers) if layers else ((), ())
         prefix = f"{file_name}: " if file_name else ""
         ax.plot(xs, ys, "o-", markersize=3, linewidth=1, label=f"{prefix}{label} ({100 * overall:.1f}%)")

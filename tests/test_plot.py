@@ -349,3 +349,22 @@ def test_hit_rates_draw_a_line_per_row_and_side_with_a_cache(tmp_path):
     bare = _schema2(tmp_path / "bare.json", [no_cache])
     proc = _cli(bare, "--hit-rates", "-o", tmp_path / "none.svg")
     assert proc.returncode == 2 and "has a cache hit rate" in proc.stderr and not (tmp_path / "none.svg").exists()
+
+
+def test_hit_rates_add_a_panel_of_the_bytes_over_pcie_per_token_where_rows_say_it(tmp_path):
+    rows = []
+    for name, rate, per_token in (("tg128 mcm7800", 0.75, 3 * 2**20), ("tg128 mcm3900", 0.5, 6 * 2**20)):
+        t = _test2(name, 31.0, 90.0, 2.9, 2.7, 3.1)
+        t["hit_rate"] = {"candidate": {"hit_rate": rate, "repetitions": 4, "cold_hit_rate": None,
+                                       "layers": {"0": rate, "1": rate}, "upload_bytes_per_token": per_token}}
+        rows.append(t)
+    path = _schema2(tmp_path / "tg.json", rows, candidate_name="patched")
+    from pyllama_moe.plot_hits import hit_rates_figure
+
+    fig = hit_rates_figure([path])
+    rates, transfers = fig.axes
+    assert len(rates.get_lines()) == 2
+    assert [b.get_width() for b in transfers.patches] == [3.0, 6.0]  # MiB per token, a bar per row and side
+    assert [t.get_text() for t in transfers.get_yticklabels()] == ["tg128 mcm7800, patched", "tg128 mcm3900, patched"]
+    out = tmp_path / "hits.png"
+    assert _cli(path, "--hit-rates", "-o", out).returncode == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
