@@ -7,19 +7,55 @@ gives; a layer that sags is one that routes more widely (or has fewer slots) and
 
 Where the rows also say what their decode steps uploaded (`upload_bytes_per_token`: the misses' experts), a second
 panel draws the bytes over PCIe per generated token, a bar per row and side: what the hit rate costs in transfers.
+
+A file may also be a patched llama-bench's own `-o json` output, e.g. a sweep of the cache budget (`-mcm`, a dimension
+of the patched build alone, which one `bench` run measures at one value): a row per record, labelled with its budget,
+its rates and bytes the mean over its repetitions after the first (the first runs on a cache only the warm-up filled).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import json
+import statistics
+
+from pyllama_moe.bench_hits import parse_layer_rates
 from pyllama_moe.errors import UserError
 from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file
 
 
+def _llama_bench_hits(path: Path) -> list[tuple[str, list[tuple[int, float]], float, float | None]] | None:
+    """hit_series of a llama-bench `-o json` file (a list of records), or None if it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # _read_file says what is wrong with it
+    if not (isinstance(data, list) and data and all(isinstance(r, dict) and "samples_ts" in r for r in data)):
+        return None
+    out = []
+    for r in data:
+        rates = r.get("samples_moe_cache_hit_rate") or []
+        warm = list(range(1, len(rates))) or list(range(len(rates)))  # the first repetition is cold
+        warm = [i for i in warm if rates[i] >= 0]
+        if not warm:
+            continue
+        layers = [parse_layer_rates(r["samples_moe_cache_layer_hit_rates"][i]) for i in warm]
+        mean_layers = sorted((il, statistics.fmean(lr[il] for lr in layers if il in lr)) for il in set().union(*layers))
+        uploads = r.get("samples_moe_cache_upload_bytes") or []
+        n_gen = r.get("n_gen") or 0
+        per_token = statistics.fmean(uploads[i] for i in warm) / n_gen if len(uploads) == len(rates) and n_gen > 0 else None
+        label = f"pp{r.get('n_prompt')} tg{n_gen} mcm{r.get('moe_cache_mib')}"
+        out.append((label, mean_layers, statistics.fmean(rates[i] for i in warm), per_token))
+    return out
+
+
 def hit_series(path: Path) -> list[tuple[str, list[tuple[int, float]], float, float | None]]:
     """(label, [(layer, rate)], overall rate, bytes over PCIe per token or None) for every row and side of one bench
-    file that has hit rates."""
+    file (or of each record of a llama-bench `-o json` file) that has hit rates."""
+    own = _llama_bench_hits(Path(path))
+    if own is not None:
+        return own
     meta, tests = _read_file(Path(path), normalize=False)
     names = {"baseline": meta.get("baseline_name") or "baseline", "candidate": meta.get("candidate_name") or "candidate"}
     out = []

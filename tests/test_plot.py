@@ -310,7 +310,8 @@ def test_sweep_reads_llama_bench_json_of_one_build(tmp_path, capsys):
                 # the cache's hit rates are results too (one per record here)
                 "moe_cache_hit_rate": staging / 1000, "moe_cache_layer_hit_rates": f"0={staging / 1000}",
                 "samples_moe_cache_hit_rate": [staging / 1000] * len(samples),
-                "samples_moe_cache_layer_hit_rates": [f"0={staging / 1000}"] * len(samples)}
+                "samples_moe_cache_layer_hit_rates": [f"0={staging / 1000}"] * len(samples),
+                "samples_moe_cache_upload_bytes": [staging * 1000] * len(samples)}
 
     f = tmp_path / "sweep.json"
     f.write_text(json.dumps([record(4096, 216, [9818, 9810, 9823]), record(4096, 108, [6438, 6469, 6476]),
@@ -368,3 +369,22 @@ def test_hit_rates_add_a_panel_of_the_bytes_over_pcie_per_token_where_rows_say_i
     assert [t.get_text() for t in transfers.get_yticklabels()] == ["tg128 mcm7800, patched", "tg128 mcm3900, patched"]
     out = tmp_path / "hits.png"
     assert _cli(path, "--hit-rates", "-o", out).returncode == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hit_rates_read_a_patched_llama_bench_sweep_of_the_cache_budget(tmp_path):
+    # llama-bench's own -o json of one build, -mcm 2000,8000: a row per budget, its warm repetitions (not the first)
+    def record(mcm, rates, uploads):
+        return {"n_prompt": 0, "n_gen": 64, "moe_cache_mib": mcm, "samples_ts": [90.0] * len(rates),
+                "samples_moe_cache_hit_rate": rates, "samples_moe_cache_layer_hit_rates": [f"0={r},1={r}" for r in rates],
+                "samples_moe_cache_upload_bytes": uploads}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps([record(2000, [0.1, 0.4, 0.5], [9 * 64 * 2**20, 4 * 64 * 2**20, 2 * 64 * 2**20]),
+                                record(8000, [0.3, 0.8, 0.8], [5 * 64 * 2**20, 64 * 2**20, 64 * 2**20])]))
+    from pyllama_moe.plot_hits import hit_series, hit_rates_figure
+
+    series = hit_series(path)
+    assert [(label, overall, per_token / 2**20) for label, _, overall, per_token in series] == [
+        ("pp0 tg64 mcm2000", pytest.approx(0.45), pytest.approx(3.0)), ("pp0 tg64 mcm8000", pytest.approx(0.8), pytest.approx(1.0))]
+    assert series[0][1] == [(0, pytest.approx(0.45)), (1, pytest.approx(0.45))]
+    _, transfers = hit_rates_figure([path]).axes
+    assert [b.get_width() for b in transfers.patches] == [pytest.approx(3.0), pytest.approx(1.0)]
