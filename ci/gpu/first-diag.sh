@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 14's first-16 target, where its time goes: the patched CUDA build alone (-j 16) and the skew 0.5 model
 # written meanwhile, then first-tokens with each token's time (the first decode graph after a prompt runs without a
-# CUDA graph, the second captures one) for seeding on, on with CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS=1: every
-# token launched as on the first) and off, and the same prompt with every weight on the GPU (-ncmoe 0) as the
-# reference of what llama.cpp's first tokens cost without host experts. Carry .work/archives and .whl; repeat
+# CUDA graph, the second captures one) and LLAMA_MOE_DEBUG_DECODE_TIMES's steps of the first three, for seeding on
+# and off, and the same prompt with every weight on the GPU (-ncmoe 0) as the reference of what llama.cpp's first
+# tokens cost without host experts. (The thirteenth session's first run, before the debug knob, had a setting with
+# GGML_CUDA_DISABLE_GRAPHS=1 beside them: results/moe-cache-seed.md.) Carry .work/archives and .whl; repeat
 #   FOLLOW_S=560 bash ci/gpu/first-diag.sh follow
 # until it prints "pipeline finished". Results in $OUT.
 set -uo pipefail
@@ -29,12 +30,15 @@ all)
             --json "$OUT/$name.json" --log-dir "$OUT/$name-logs" "$@" 2>&1 | tee "$OUT/$name.txt"
     }
     H=${HALF_MIB:-7800}
-    first first-diag --rounds ${ROUNDS:-2} --reps 2 --setting seed-on=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=1 \
-        --setting seed-on-eager=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=1,GGML_CUDA_DISABLE_GRAPHS=1 \
-        --setting seed-off=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=0 -- -ngl 99 -ncmoe 48 -ub 512 -b 4096 -lm none
+    # LLAMA_MOE_DEBUG_DECODE_TIMES=3: the host time of each step of the first three decode steps after each prompt, in
+    # the processes' logs (summarized below)
+    D=LLAMA_MOE_DEBUG_DECODE_TIMES=3
+    first first-diag --rounds ${ROUNDS:-1} --reps 2 --setting seed-on=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=1,$D \
+        --setting seed-off=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=0,$D -- -ngl 99 -ncmoe 48 -ub 512 -b 4096 -lm none
     echo "== all on the GPU ($((SECONDS - T0)) s)"
-    first first-diag-allgpu --rounds 1 --reps 2 --setting all-gpu --setting all-gpu-eager=GGML_CUDA_DISABLE_GRAPHS=1 \
-        -- -ngl 99 -ncmoe 0 -ub 512 -b 4096 -lm none
+    first first-diag-allgpu --rounds 1 --reps 2 --setting all-gpu=$D -- -ngl 99 -ncmoe 0 -ub 512 -b 4096 -lm none
+    grep -h "decode step" "$OUT"/first-diag-logs/*seed-on*.log | tail -12
+    grep -h "decode step" "$OUT"/first-diag-allgpu-logs/*.log | tail -12
     ;;
 *)
     echo "unknown step $step: use all|follow"; exit 2
