@@ -41,10 +41,11 @@ void llama_moe_debug_slowdown(int64_t cycle_us);
 // first decode steps after a prompt), one stderr line per ubatch with the host time of each of its steps, to tell
 // where the first tokens after a prompt spend what the steady ones do not. Unset or 0: off (one load of a flag).
 bool llama_moe_debug_decode_times_on();
-// a ubatch of n_tokens was processed: t_* are ggml_time_us() at its start, after its graph was built (or reused) and
-// allocated, after its inputs were set, after the expert cache bound it, and after the compute was queued;
-// cache_sync_us / cache_upload_us: the parts of the bind spent waiting for earlier work and uploading slot states
-void llama_moe_debug_decode_times(int64_t n_tokens, bool reused, int64_t t_start, int64_t t_built, int64_t t_inputs,
-        int64_t t_bound, int64_t t_queued, int64_t cache_sync_us, int64_t cache_upload_us);
+// a ubatch of n_tokens was processed: t_* are ggml_time_us() at its start, after its graph was built (t_graph: where
+// it was reused, equal to t_built), after it was allocated (t_built), after its inputs were set, after the expert
+// cache bound it, and after the compute was queued; cache_sync_us / cache_upload_us: the parts of the bind spent
+// waiting for earlier work and uploading slot states
+void llama_moe_debug_decode_times(int64_t n_tokens, bool reused, int64_t t_start, int64_t t_graph, int64_t t_built,
+        int64_t t_inputs, int64_t t_bound, int64_t t_queued, int64_t cache_sync_us, int64_t cache_upload_us);
 // llama_context::synchronize waited sync_us for the queued work of the ubatches above
 void llama_moe_debug_decode_sync(int64_t sync_us);

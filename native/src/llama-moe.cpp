@@ -349,8 +349,8 @@ bool llama_moe_debug_decode_times_on() {
 static int  debug_decode_step = -1;
 static bool debug_decode_timed = false;
 
-void llama_moe_debug_decode_times(int64_t n_tokens, bool reused, int64_t t_start, int64_t t_built, int64_t t_inputs,
-        int64_t t_bound, int64_t t_queued, int64_t cache_sync_us, int64_t cache_upload_us) {
+void llama_moe_debug_decode_times(int64_t n_tokens, bool reused, int64_t t_start, int64_t t_graph, int64_t t_built,
+        int64_t t_inputs, int64_t t_bound, int64_t t_queued, int64_t cache_sync_us, int64_t cache_upload_us) {
     debug_decode_timed = false;
     if (n_tokens > 8) {
         debug_decode_step = 0;
@@ -362,10 +362,16 @@ void llama_moe_debug_decode_times(int64_t n_tokens, bool reused, int64_t t_start
     debug_decode_step++;
     debug_decode_timed = true;
     // stderr, as the planted slowdown: benchmark tools silence llama.cpp's log
-    fprintf(stderr, "llama_moe: decode step %d after a prompt (%" PRId64 " tokens): graph %s %.3f ms, inputs %.3f ms, "
+    char graph[96];
+    if (reused) {
+        snprintf(graph, sizeof(graph), "reused %.3f ms", (t_built - t_start) / 1e3);
+    } else {
+        snprintf(graph, sizeof(graph), "built %.3f ms, allocated %.3f ms", (t_graph - t_start) / 1e3, (t_built - t_graph) / 1e3);
+    }
+    fprintf(stderr, "llama_moe: decode step %d after a prompt (%" PRId64 " tokens): graph %s, inputs %.3f ms, "
             "expert cache bind %.3f ms (waiting %.3f, slot states %.3f), compute queued %.3f ms\n", debug_decode_step,
-            n_tokens, reused ? "reused" : "built+allocated", (t_built - t_start) / 1e3, (t_inputs - t_built) / 1e3,
-            (t_bound - t_inputs) / 1e3, cache_sync_us / 1e3, cache_upload_us / 1e3, (t_queued - t_bound) / 1e3);
+            n_tokens, graph, (t_inputs - t_built) / 1e3, (t_bound - t_inputs) / 1e3, cache_sync_us / 1e3,
+            cache_upload_us / 1e3, (t_queued - t_bound) / 1e3);
 }
 
 void llama_moe_debug_decode_sync(int64_t sync_us) {
