@@ -220,7 +220,7 @@ def test_profile_show_and_the_heat_map(written, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "qwen3moe, 4 layers, 16 experts" in out and out.count("layer ") >= N_LAYERS
     p = profile.read(path)
-    top = max(range(N_EXPERT), key=lambda e: (int(p.decode[0][e]), -e))
+    top = min(range(N_EXPERT), key=lambda e: (-int(p.decode[0][e]), -int(p.prompt[0][e]), e))
     assert f"layer   0: decode {int(p.decode[0].sum()):9d}" in out and f"top {top}:" in out
     svg = tmp_path / "heat.svg"
     assert main(["plot", "--profile", str(path), "-o", str(svg)]) == 0

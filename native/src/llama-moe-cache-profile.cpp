@@ -71,8 +71,15 @@ llama_moe_cache_profile_id llama_moe_cache_profile_id_of(const llama_model & mod
         for (int d = 0; d < GGML_MAX_DIMS; d++) {
             h = mix(h, (uint64_t) r->ne[d]);
         }
+        // in host memory (a CPU buffer, repacked ones included, whose get_tensor may be missing): read in place, as
+        // laid out there; on a device: copied back once, when a cache is made
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(r->buffer));
+        if (ggml_backend_buffer_is_host(r->buffer) || (dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU)) {
+            h = hash_bytes(h, (const uint8_t *) r->data, ggml_nbytes(r));
+            continue;
+        }
         bytes.resize(ggml_nbytes(r));
-        ggml_backend_tensor_get(r, bytes.data(), 0, bytes.size()); // a device copy: read back once, when a cache is made
+        ggml_backend_tensor_get(r, bytes.data(), 0, bytes.size());
         h = hash_bytes(h, bytes.data(), bytes.size());
     }
     id.router_hash = h;
