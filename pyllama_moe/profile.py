@@ -117,13 +117,15 @@ def heat_figure(p: Profile, title: str = ""):
     counts[no_decode] = p.prompt[no_decode]
     totals = counts.sum(axis=1, keepdims=True)
     share = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
-    fig = Figure(figsize=(min(16.0, 3.0 + 0.08 * p.n_expert), min(12.0, 2.0 + 0.18 * p.n_layer)), layout="constrained")
+    fig = Figure(figsize=(min(16.0, max(7.0, 3.0 + 0.08 * p.n_expert)), min(12.0, max(3.0, 2.0 + 0.18 * p.n_layer))),
+                 layout="constrained")
     ax = fig.subplots()
     im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="magma", origin="upper")
     ax.set_xlabel("expert")
     ax.set_ylabel("layer")
     fig.colorbar(im, ax=ax, label="share of the layer's routings")
-    fig.suptitle(title or f"{p.path.name}: {p.arch}, {int(p.decode.sum())} decode routings, {p.n_runs} runs")
+    runs = f"{p.n_runs} run{'s' if p.n_runs != 1 else ''}"
+    fig.suptitle(title or f"{p.path.name}: {p.arch}, {int(p.decode.sum())} decode routings, {runs}")
     return fig
 
 
