@@ -36,6 +36,11 @@ def _seed_env(seed: str | None) -> dict[str, str]:
     return {} if seed is None else {"LLAMA_MOE_CACHE_SEED": "1" if seed == "on" else "0"}
 
 
+def _profile_env(path: Path | None) -> dict[str, str]:
+    """The environment of --moe-cache-profile FILE (an absolute path: the worker runs elsewhere)."""
+    return {} if path is None else {"LLAMA_MOE_CACHE_PROFILE": str(Path(path).resolve())}
+
+
 def cmd_run(args) -> int:
     from pyllama_moe import runner
     from pyllama_moe.build import resolve
@@ -48,11 +53,13 @@ def cmd_run(args) -> int:
                           n_cpu_moe=args.n_cpu_moe, load_mode=args.load_mode, repack=not args.no_repack,
                           n_ubatch=args.ubatch, threads=_threads(args), generate=args.generate,
                           moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None,
-                          env=_seed_env(args.moe_cache_seed))
+                          env={**_seed_env(args.moe_cache_seed), **_profile_env(args.moe_cache_profile)})
     if args.moe_cache_mib is not None and built.variant != "patched":
         raise UserError("--moe-cache-mib needs the patched build (master has no expert cache)", "drop it or use --variant patched")
     if args.moe_cache_seed is not None and built.variant != "patched":
         raise UserError("--moe-cache-seed needs the patched build (master has no expert cache)", "drop it or use --variant patched")
+    if args.moe_cache_profile is not None and built.variant != "patched":
+        raise UserError("--moe-cache-profile needs the patched build (master has no expert cache)", "drop it or use --variant patched")
     result = runner.run(built, src, spec)
     if args.logits_out:
         import numpy as np
@@ -283,6 +290,9 @@ def register(sub) -> None:
                    help="the context's expert cache per GPU in MiB (patched builds; default: LLAMA_MOE_CACHE_MIB)")
     p.add_argument("--moe-cache-seed", choices=("on", "off"),
                    help="seed the expert cache at the prompt's end (patched builds; default: LLAMA_MOE_CACHE_SEED, on)")
+    p.add_argument("--moe-cache-profile", type=Path, metavar="FILE",
+                   help="start the expert cache from this profile where it exists, add the run's expert use counts to it "
+                        "at exit (patched builds; default: LLAMA_MOE_CACHE_PROFILE, none); `pyllama-moe profile show FILE`")
     p.add_argument("--logits-out", type=Path, help="write the all-position logits (f32) as .npy")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_run)

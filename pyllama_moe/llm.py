@@ -77,11 +77,13 @@ def _model_params_with(overrides):
 
 
 def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int = 0, moe_cache_mib: int | None = None,
-              moe_cache_seed: bool | None = None, **llama_kwargs):
+              moe_cache_seed: bool | None = None, moe_cache_profile: str | Path | None = None, **llama_kwargs):
     """A `llama_cpp.Llama` whose expert tensors stay on the host (every layer's with cpu_moe, the first n_cpu_moe
     layers' otherwise) and whose context has an expert cache of moe_cache_mib MiB per GPU (None: the process
     default, LLAMA_MOE_CACHE_MIB), seeded at a prompt's end unless moe_cache_seed is False (None: the process
-    default, LLAMA_MOE_CACHE_SEED, on). Other keywords go to `Llama`. Needs `use_build` first."""
+    default, LLAMA_MOE_CACHE_SEED, on), started from the expert cache profile moe_cache_profile where that file exists
+    and counted into it when the context is freed (None: the process default, LLAMA_MOE_CACHE_PROFILE, none; see
+    `pyllama_moe.profile`). Other keywords go to `Llama`. Needs `use_build` first."""
     from llama_cpp import Llama
 
     from pyllama_moe.worker.model import cpu_overrides
@@ -93,11 +95,17 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
         raise UserError(f"the {moe.build.variant} build has no expert cache", "use_build('patched', ...)")
     if moe_cache_seed is not None and "llama_moe_default_set_moe_cache_seed" not in dir(moe):
         raise UserError(f"the {moe.build.variant} build has no expert cache seeding", "use_build('patched', ...)")
+    if moe_cache_profile is not None and "llama_moe_default_set_moe_cache_profile" not in dir(moe):
+        raise UserError(f"the {moe.build.variant} build has no expert cache profiles", "use_build('patched', ...)")
     overrides, patterns = cpu_overrides({"cpu_moe": cpu_moe, "n_cpu_moe": n_cpu_moe}, moe.build.bin_dir)
     with _loading, _model_params_with(overrides) if overrides is not None else contextlib.nullcontext():
         previous = moe.llama_moe_default_get_moe_cache_mib() if moe_cache_mib is not None else None
         previous_seed = moe.llama_moe_default_get_moe_cache_seed() if moe_cache_seed is not None else None
+        previous_profile = _default_profile(moe) if moe_cache_profile is not None else None
         try:
+            if moe_cache_profile is not None:
+                # the cache reads the path when the context makes it (inside Llama), and keeps it till it is freed
+                moe.llama_moe_default_set_moe_cache_profile(str(Path(moe_cache_profile).resolve()).encode())
             if moe_cache_mib is not None:
                 moe.llama_moe_default_set_moe_cache_mib(int(moe_cache_mib))
             if moe_cache_seed is not None:
@@ -108,11 +116,20 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
                 moe.llama_moe_default_set_moe_cache_mib(previous)
             if previous_seed is not None:
                 moe.llama_moe_default_set_moe_cache_seed(previous_seed)
+            if moe_cache_profile is not None:
+                # back to what was in effect (a path set before, or the environment's, which is then read again)
+                moe.llama_moe_default_set_moe_cache_profile(previous_profile or moe._ffi.NULL)
     model._pyllama_moe_overrides = (overrides, patterns)  # the model holds a pointer to them
     if overrides is not None and model.model_params.tensor_buft_overrides != ctypes.addressof(overrides):
         raise UserError("llama_cpp.Llama did not take the expert overrides (another llama-cpp-python version?)",
                         "use llama-cpp-python 0.3.36, the pinned one")
     return model
+
+
+def _default_profile(moe) -> bytes | None:
+    """The profile path in effect for new caches (llama_moe_default_get_moe_cache_profile), or None."""
+    p = moe.llama_moe_default_get_moe_cache_profile()
+    return None if p == moe._ffi.NULL else moe._ffi.string(p)
 
 
 def cache_stats(moe: ffi.MoeLib, model) -> dict:

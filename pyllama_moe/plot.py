@@ -6,7 +6,9 @@ line at 1.0; a point whose interval excludes 1.0 is filled, one whose interval i
 interval) is hollow. Files of schema 1 (before intervals) still plot, without error bars.
 
 `--samples` draws every sample of one run; `--sweep FIELD` one number per test against a setting
-(`pyllama_moe.plot_sweep`); `--hit-rates` the expert cache's hit rate per layer and, where the rows say it, the bytes over PCIe per generated token (`pyllama_moe.plot_hits`). The output format follows the suffix of -o (.svg, .png, .pdf).
+(`pyllama_moe.plot_sweep`); `--hit-rates` the expert cache's hit rate per layer and, where the rows say it, the bytes
+over PCIe per generated token (`pyllama_moe.plot_hits`); `--profile FILE` an expert cache profile as a heat map
+(`pyllama_moe.profile`). The output format follows the suffix of -o (.svg, .png, .pdf).
 """
 
 from __future__ import annotations
@@ -319,6 +321,16 @@ def cmd_plot(args) -> int:
         write_figure(sweep_figure(args.json, args.sweep, args.sweep_y, args.title or ""), args.output)
         print(f"wrote {args.output} ({args.sweep_y} against {args.sweep})")
         return 0
+    if args.profile:
+        from pyllama_moe.profile import heat_figure, read
+
+        if args.json:
+            raise UserError("--profile draws one profile, not bench files", "drop the JSON files or --profile")
+        write_figure(heat_figure(read(args.profile), args.title or ""), args.output)
+        print(f"wrote {args.output} (expert use per layer of {args.profile})")
+        return 0
+    if not args.json:
+        raise UserError("no JSON file to plot", "pass the files that `pyllama-moe bench --json` wrote, or --profile FILE")
     if args.hit_rates:
         from pyllama_moe.plot_hits import hit_rates_figure
 
@@ -333,7 +345,7 @@ def cmd_plot(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("plot", help="a picture (.svg, .png, .pdf) of `pyllama-moe bench --json` results")
-    p.add_argument("json", nargs="+", type=Path, help="JSON files written by `pyllama-moe bench --json`")
+    p.add_argument("json", nargs="*", type=Path, help="JSON files written by `pyllama-moe bench --json`")
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="the picture to write; its suffix picks the format: " + ", ".join(FORMATS))
     p.add_argument("--title", help="a line above the picture")
@@ -346,6 +358,8 @@ def register(sub) -> None:
     what.add_argument("--hit-rates", action="store_true",
                       help="draw the expert cache's decode hit rate per layer of every row that has one, and the bytes "
                            "over PCIe per generated token where the rows say it")
+    what.add_argument("--profile", type=Path, metavar="FILE",
+                      help="draw an expert cache profile (--moe-cache-profile FILE) as a heat map, layers x experts")
     p.add_argument("--sweep-y", choices=("ratio", "share", "ts"), default="ratio",
                    help="with --sweep: the ratio with its interval (default), the share of the --limit-row "
                         "row, or the candidate's median t/s")

@@ -59,3 +59,31 @@ def test_use_build_after_llama_cpp_was_imported_with_another_library_is_refused(
               "try:\n    llm.use_build('patched', 'cpu')\nexcept UserError as e:\n    print('refused:', e)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "refused: llama_cpp was imported before pyllama_moe.llm.use_build" in proc.stdout, proc.stderr[-2000:]
+
+
+PROFILE_SCRIPT = """
+import json, sys
+from pyllama_moe import llm
+
+moe = llm.use_build("patched", "cpu")
+model = llm.moe_llama(sys.argv[1], n_gpu_layers=99, cpu_moe=True, moe_cache_mib=2, moe_cache_profile=sys.argv[2],
+                      n_ctx=256, n_threads=2, verbose=False)
+after = llm._default_profile(moe)  # the process default is back to what it was (none) once the context is made
+model("the", max_tokens=8, temperature=0.0)
+model.close()  # the cache is freed: the profile is written
+print(json.dumps({"default_after": after.decode() if after else None}))
+"""
+
+
+def test_moe_llama_takes_a_profile_and_writes_it_when_the_context_is_freed(patched_build, tiny_model, tmp_path):
+    from pyllama_moe import profile
+
+    path = tmp_path / "p.gguf"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_CPP_LIB"))}
+    env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1")
+    proc = subprocess.run([sys.executable, "-c", PROFILE_SCRIPT, str(tiny_model), str(path)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["default_after"] is None
+    p = profile.read(path)
+    assert p.n_runs == 1 and p.n_layer == 4 and int(p.decode.sum()) > 0

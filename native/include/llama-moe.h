@@ -136,6 +136,22 @@ LLAMA_MOE_API int64_t llama_moe_get_moe_cache_mib(const struct llama_context * c
 LLAMA_MOE_API void    llama_moe_default_set_moe_cache_seed(int32_t on);
 LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_seed(void);
 
+// Profile: a GGUF file of per-layer expert use counts (pyllama_moe.expert_cache_profile, version 1). When a cache is
+// made and the file is there and was made for this model (architecture, shape and a hash of the routers), each cached
+// layer that is not filled whole starts with the experts of the highest counts in its slots, uploaded once on the
+// calling thread (logged: "expert cache profile FILE: N layers filled, K experts (X MiB) in T s"); a prompt's seeding
+// still replaces them at its end. Counted: each decode lookup that planned adds 1 to each distinct expert it routed
+// (host-side plan and device lookup alike), each seeding ubatch its routed tokens; steps read in place or on the staging
+// path are not counted. When the context's cache is freed, the file's counts plus this context's are written back
+// atomically (FILE.tmp.<pid>, renamed over FILE), where it counted anything; a failed write logs one error and leaves the
+// old file. A file made for another model, of another version, or not a profile (corrupt, truncated, not GGUF) is
+// refused with one error line naming it, what is wrong and the fix: the cache is made as without a profile and the
+// file is never overwritten. A missing file is a first run. Residency alone changes: the bytes computed are the same.
+// Process-wide default read when a cache is made: a path sets it, NULL or "" unsets it (then LLAMA_MOE_CACHE_PROFILE,
+// then none). The getter returns the path in effect or NULL, valid until the next call of the getter on this thread.
+LLAMA_MOE_API void         llama_moe_default_set_moe_cache_profile(const char * path);
+LLAMA_MOE_API const char * llama_moe_default_get_moe_cache_profile(void);
+
 // Counters of a context's cache since it was created: per layer (il >= 0) or summed over layers (il < 0), and phase
 // (0 prompt, 1 decode). Experts are counted once per ubatch and layer; bytes over all of a layer's expert tensors.
 // Fields may be appended: callers compile against this header (cffi reads it).

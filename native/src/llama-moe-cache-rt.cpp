@@ -4,6 +4,7 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 #include "llama-moe-cache.h"
+#include "llama-moe-cache-profile.h"
 #include "llama-moe-impl.h"
 #include "llama-moe.h"
 
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -153,6 +155,12 @@ struct llama_moe_cache_rt {
     std::vector<size_t> seeds_to_check;
     uint64_t n_seeds_checked = 0;
     uint64_t n_seeds_differ  = 0;
+
+    // the expert cache profile (llama-moe-cache-rt.h, "Profiles"): its file (empty: none), the model it is for, and
+    // whether the file was refused when the cache was made (then it is never written)
+    std::string profile_path;
+    llama_moe_cache_profile_id profile_id;
+    bool profile_refused = false;
 
     ~llama_moe_cache_rt() {
         for (ggml_backend_buffer_t b : bufs) {
@@ -320,6 +328,7 @@ static bool fill_whole_on() {
 }
 
 static void fill_whole_layers(llama_moe_cache_rt & rt);
+static void load_profile(llama_moe_cache_rt & rt, const llama_model & model);
 static void planner_takes(rt_layer & l);
 static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l);
 static bool staged_whole(const rt_layer & l, int k);
@@ -485,6 +494,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     }
     choose_device_lookup(*rt);
     fill_whole_layers(*rt);
+    load_profile(*rt, model);
     return rt.release();
 }
 
@@ -549,6 +559,116 @@ static void fill_whole_layers(llama_moe_cache_rt & rt) {
                 "LLAMA_MOE_CACHE_FILL_WHOLE=0 fills them as decode routes to them\n", n_layers, n_layers > 1 ? "s" : "",
                 mib(bytes), s, s > 0 ? bytes / s / 1e9 : 0.0);
     }
+}
+
+// The expert cache profile (llama-moe-cache-rt.h, "Profiles"): each cached layer that is not whole yet takes the
+// experts of the highest decode counts (ties: prompt counts, then lower id; never an expert counted 0) into its free
+// slots, uploaded once per run of consecutive experts and tensor on the calling thread, as fill_whole_layers does,
+// when the cache is made (nothing computes on its banks yet). A refused file: one error line, nothing filled, and
+// the file is not written when the cache is freed.
+static void load_profile(llama_moe_cache_rt & rt, const llama_model & model) {
+    rt.profile_path = llama_moe_cache_context_profile();
+    if (rt.profile_path.empty()) {
+        return;
+    }
+    const int64_t t_start = ggml_time_us();
+    rt.profile_id = llama_moe_cache_profile_id_of(model);
+    llama_moe_cache_profile p;
+    std::string why, fix;
+    const llama_moe_cache_profile_status status = llama_moe_cache_profile_read(rt.profile_path, rt.profile_id, p, why, fix);
+    if (status == LLAMA_MOE_CACHE_PROFILE_REFUSED) {
+        rt.profile_refused = true;
+        LLAMA_LOG_ERROR("llama_moe: expert cache profile %s refused: it %s; %s. The cache starts without it, and the file "
+                "is left as it is\n", rt.profile_path.c_str(), why.c_str(), fix.c_str());
+        return;
+    }
+    if (status == LLAMA_MOE_CACHE_PROFILE_MISSING) {
+        LLAMA_LOG_INFO("llama_moe: expert cache profile %s: not there yet, written when the context is freed\n",
+                rt.profile_path.c_str());
+        return;
+    }
+    const uint32_t n_expert = p.id.n_expert;
+    size_t  bytes = 0;
+    int32_t n_layers = 0, n_experts = 0;
+    std::vector<int32_t> ranked;
+    std::vector<llama_moe_cache_fill> fills;
+    for (rt_layer & l : rt.layers) {
+        if ((uint32_t) l.n_expert != n_expert || rt.plan->whole(l.il)) {
+            continue;
+        }
+        const int32_t * dec = p.decode.data() + (size_t) l.il * n_expert;
+        const int32_t * pro = p.prompt.data() + (size_t) l.il * n_expert;
+        ranked.clear();
+        for (int32_t e = 0; e < l.n_expert; e++) {
+            if (dec[e] > 0 || pro[e] > 0) {
+                ranked.push_back(e);
+            }
+        }
+        std::sort(ranked.begin(), ranked.end(), [&](int32_t a, int32_t b) {
+            return dec[a] != dec[b] ? dec[a] > dec[b] : pro[a] != pro[b] ? pro[a] > pro[b] : a < b;
+        });
+        planner_takes(l);
+        const int32_t n = rt.plan->preload(l.il, ranked, fills);
+        if (n == 0) {
+            continue;
+        }
+        bytes += upload_fills(l, fills, nullptr); // sorted by slot
+        n_layers++;
+        n_experts += n;
+    }
+    const double s = (ggml_time_us() - t_start) / 1e6;
+    LLAMA_LOG_INFO("llama_moe: expert cache profile %s: %d layer%s filled, %d experts (%.2f MiB) in %.2f s (the counts of %u "
+            "run%s)\n", rt.profile_path.c_str(), n_layers, n_layers == 1 ? "" : "s", n_experts, mib(bytes), s, p.n_runs,
+            p.n_runs == 1 ? "" : "s");
+}
+
+// When the cache is freed (its counts final: the device's read back), the file's counts plus this context's, written
+// back atomically; the file is read again first, so that contexts that were freed since this one was made keep theirs.
+// Nothing is written where this context counted nothing (a context that decoded nothing), or where the file was
+// refused, or is now. One lock over the read and the write, for the contexts of one process.
+static void write_profile(llama_moe_cache_rt & rt) {
+    if (rt.profile_path.empty() || rt.profile_refused) {
+        return;
+    }
+    uint64_t n_decode = 0, n_prompt = 0;
+    for (const llama_moe_cache_layer & pl : rt.plan->layers) {
+        for (int32_t e = 0; e < pl.n_expert; e++) {
+            n_decode += (uint64_t) pl.uses[e];
+            n_prompt += (uint64_t) pl.prompt_uses[e];
+        }
+    }
+    if (n_decode + n_prompt == 0) {
+        return;
+    }
+    static std::mutex write_mutex;
+    std::lock_guard<std::mutex> lock(write_mutex);
+    llama_moe_cache_profile p;
+    std::string why, fix;
+    if (llama_moe_cache_profile_read(rt.profile_path, rt.profile_id, p, why, fix) == LLAMA_MOE_CACHE_PROFILE_REFUSED) {
+        LLAMA_LOG_ERROR("llama_moe: expert cache profile %s not written: it %s since the cache was made; %s\n",
+                rt.profile_path.c_str(), why.c_str(), fix.c_str());
+        return;
+    }
+    const size_t n_expert = p.id.n_expert;
+    for (const llama_moe_cache_layer & pl : rt.plan->layers) {
+        if ((size_t) pl.n_expert != n_expert || pl.il < 0 || (uint32_t) pl.il >= p.id.n_layer) {
+            continue;
+        }
+        for (int32_t e = 0; e < pl.n_expert; e++) {
+            int32_t & d = p.decode[(size_t) pl.il * n_expert + e];
+            int32_t & q = p.prompt[(size_t) pl.il * n_expert + e];
+            d = (int32_t) std::min<int64_t>((int64_t) d + pl.uses[e], INT32_MAX);
+            q = (int32_t) std::min<int64_t>((int64_t) q + pl.prompt_uses[e], INT32_MAX);
+        }
+    }
+    p.n_runs++;
+    if (!llama_moe_cache_profile_write(rt.profile_path, p, why)) {
+        LLAMA_LOG_ERROR("llama_moe: expert cache profile %s not written: %s; the old file is left as it is\n",
+                rt.profile_path.c_str(), why.c_str());
+        return;
+    }
+    LLAMA_LOG_INFO("llama_moe: expert cache profile %s written: %" PRIu64 " decode and %" PRIu64 " prompt routings of this "
+            "context added (%u runs)\n", rt.profile_path.c_str(), n_decode, n_prompt, p.n_runs);
 }
 
 // LLAMA_MOE_CACHE_DEVICE=0: decode plans on the host even where the device could look its slots up; read once
@@ -722,7 +842,7 @@ static void read_back_states(llama_moe_cache_rt & rt, ggml_backend_sched_t sched
 // the device lookups' counters alone, for the stats: the slot state stays where it is (a caller may ask while a graph
 // is queued, or from its eval callback), so nothing is handed over; waits for the devices once, where there is any
 static void read_back_counters(llama_moe_cache_rt & rt) {
-    std::vector<int32_t> counters(2 * GGML_MOE_CACHE_N_COUNTERS);
+    std::vector<int32_t> counted;
     bool synced = false;
     for (size_t i = 0; i < rt.layers.size(); i++) {
         rt_layer & l = rt.layers[i];
@@ -733,9 +853,12 @@ static void read_back_counters(llama_moe_cache_rt & rt) {
             synchronize_backends(rt, nullptr);
             synced = true;
         }
-        const size_t offset = (size_t) (ggml_nelements(l.state) - 2 * GGML_MOE_CACHE_N_COUNTERS) * sizeof(int32_t);
-        ggml_backend_tensor_get(l.state, counters.data(), offset, counters.size() * sizeof(int32_t));
-        add_device_counters(rt, i, counters.data());
+        // the counted tail: the counters, then the use counts (totals: the device counts on from what it was given)
+        counted.resize(ggml_moe_cache_state_counted_size(l.n_expert));
+        const size_t offset = (size_t) ggml_moe_cache_state_counted_offset(l.n_expert, l.n_slots) * sizeof(int32_t);
+        ggml_backend_tensor_get(l.state, counted.data(), offset, counted.size() * sizeof(int32_t));
+        add_device_counters(rt, i, counted.data());
+        rt.plan->set_uses(l.il, counted.data() + 2 * GGML_MOE_CACHE_N_COUNTERS);
     }
 }
 
@@ -831,6 +954,7 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
     }
     check_seeds(*rt);
     log_summary(*rt);
+    write_profile(*rt);
     delete rt;
 }
 

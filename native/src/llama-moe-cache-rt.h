@@ -45,6 +45,15 @@
 // with the graph's admits. LLAMA_MOE_CACHE_SEED=0 (or llama_moe_default_set_moe_cache_seed(0)) turns it off;
 // LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1 compares the seeded layers' slots with the host experts once the graph is done.
 //
+// Profiles (issue 14): each lookup that plans counts its distinct experts per layer (ggml-moe-cache-lookup.h: the
+// host-side plan and the device alike; the counts are the tail of the flat state and travel with it at every handover
+// and counter read-back), each seeding ubatch its routed tokens (llama_moe_cache::seed). With a profile file
+// (llama_moe_default_set_moe_cache_profile, --moe-cache-profile, LLAMA_MOE_CACHE_PROFILE) made for this model, the
+// cache starts with each layer's most used experts resident, uploaded once when it is made; when it is freed the
+// file's counts plus this context's are written back atomically (llama-moe-cache-profile.h: the file). Layers filled
+// whole and read in place count nothing (no routing is read there) and take nothing from a profile (they hold every
+// expert already).
+//
 // Knob: llama_moe_default_set_moe_cache_mib (llama-moe.h, --moe-cache-mib) > LLAMA_MOE_CACHE_MIB > 0 (off). The
 // budget is per device; one larger than the device's free memory less 512 MiB is shrunk to it, with a warning.
 #pragma once

@@ -134,6 +134,8 @@ llama_moe_cache::llama_moe_cache(const std::vector<llama_moe_cache_layer_desc> &
         l.seen.assign(l.n_expert, 0);
         l.pin.assign(l.n_slots, 0);
         l.cnt.assign(l.n_expert, 0);
+        l.uses.assign(l.n_expert, 0);
+        l.prompt_uses.assign(l.n_expert, 0);
         layers.push_back(std::move(l));
         max_il = std::max(max_il, d.il);
     }
@@ -178,7 +180,8 @@ static bool assign(llama_moe_cache & c, llama_moe_cache_layer & l, int32_t e, in
 
 // the layer's slot state as the lookup of ggml-moe-cache-lookup.h reads and writes it
 static ggml_moe_cache_state state_of(llama_moe_cache_layer & l) {
-    return { l.n_expert, l.n_slots, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free, nullptr };
+    return { l.n_expert, l.n_slots, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free, nullptr,
+             l.uses.data() };
 }
 
 // expert e's own slot when it is free, else the lowest free slot (ggml_moe_cache_free_slot); only while n_free > 0.
@@ -259,6 +262,32 @@ bool llama_moe_cache::fill_whole(int32_t il, std::vector<llama_moe_cache_fill> &
         }
     }
     return true;
+}
+
+int32_t llama_moe_cache::preload(int32_t il, const std::vector<int32_t> & experts, std::vector<llama_moe_cache_fill> & fills) {
+    fills.clear();
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    llama_moe_cache_stats uncounted;
+    int32_t n = 0;
+    for (int32_t e : experts) {
+        MOE_CACHE_ASSERT(e >= 0 && e < l.n_expert);
+        if (l.n_free == 0) {
+            break;
+        }
+        if (l.slot_of[e] >= 0) {
+            continue;
+        }
+        const int32_t s = free_slot(l, e);
+        n++;
+        // debug: the planted stale slot of the other planners, here too (the slot is recorded, its upload left out)
+        if (assign(*this, l, e, s, uncounted)) {
+            fills.push_back({ e, s });
+        }
+    }
+    std::sort(fills.begin(), fills.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
+        return a.slot < b.slot;
+    });
+    return n;
 }
 
 void llama_moe_cache::note_in_place(int32_t il, llama_moe_cache_phase phase, uint64_t n_routed) {
@@ -467,6 +496,7 @@ void llama_moe_cache::seed(int32_t il, const int32_t * ids, int64_t n_tokens, in
     count_routed(l, ids, n_tokens, n_used, stride);
     for (int32_t e = 0; e < l.n_expert; e++) {
         l.score[e] += l.cnt[e];
+        l.prompt_uses[e] = (int32_t) std::min<uint64_t>((uint64_t) l.prompt_uses[e] + l.cnt[e], INT32_MAX);
     }
     // the new resident set: the highest scores (ties: residents first, then lower id), at most n_slots, none unscored
     std::vector<int32_t> & want = scratch;
@@ -580,6 +610,14 @@ void llama_moe_cache::get_state(int32_t il, int32_t * flat) const {
     std::copy(l.expert_of.begin(), l.expert_of.end(), st.expert_of);
     std::copy(l.ref.begin(), l.ref.end(), st.ref);
     std::fill(st.counters, st.counters + 2 * GGML_MOE_CACHE_N_COUNTERS, 0);
+    std::copy(l.uses.begin(), l.uses.end(), st.uses);
+}
+
+void llama_moe_cache::set_uses(int32_t il, const int32_t * uses) {
+    llama_moe_cache_layer & l = layer_of(*this, il);
+    for (int32_t e = 0; e < l.n_expert; e++) {
+        l.uses[e] = std::max(uses[e], 0);
+    }
 }
 
 bool llama_moe_cache::set_state(int32_t il, const int32_t * flat, std::string & why) {
@@ -608,6 +646,7 @@ bool llama_moe_cache::set_state(int32_t il, const int32_t * flat, std::string & 
     l.slot_of   = std::move(c.slot_of);
     l.expert_of = std::move(c.expert_of);
     l.ref       = std::move(c.ref);
+    set_uses(il, st.uses);
     return true;
 }
 

@@ -134,6 +134,14 @@ struct llama_moe_cache_layer {
 
     std::vector<uint32_t> score;    // [n_expert] prompt routing, halved every prompt ubatch
 
+    // the expert cache profile (issue 14): how often this context routed to each expert, saturating at INT32_MAX.
+    // uses: decode lookups that planned, each distinct expert once per lookup (the lookup of ggml-moe-cache-lookup.h
+    // counts them, here and on a device alike: they travel with the flat state); prompt_uses: the routed tokens of
+    // the ubatches that seeded the layer (the only prompt routing read back). Neither counts steps on the staging
+    // path or read in place (no routing is read there), and clear() keeps them
+    std::vector<int32_t> uses;        // [n_expert]
+    std::vector<int32_t> prompt_uses; // [n_expert]
+
     llama_moe_cache_stats stats[LLAMA_MOE_CACHE_PHASE_COUNT];
 
     // per-ubatch marks: a value equal to the current epoch means "this ubatch", so nothing is cleared per call
@@ -196,6 +204,11 @@ struct llama_moe_cache {
     // caller must make before a graph reads the layer; false, nothing changed, where the layer has fewer slots than
     // experts or a slot holds another expert. Counted in no phase's stats: it is not a step of a graph.
     bool fill_whole(int32_t il, std::vector<llama_moe_cache_fill> & fills);
+    // the expert cache profile: makes `experts` (in order, distinct, at most the free slots are taken) resident in
+    // layer il's free slots, own slot first; fills lists the uploads (host -> slot, sorted by slot) the caller must make
+    // before a graph reads the layer. Counted in no phase's stats (not a step of a graph); each fill counts for
+    // debug_skip_fill as any other. Returns the experts made resident.
+    int32_t preload(int32_t il, const std::vector<int32_t> & experts, std::vector<llama_moe_cache_fill> & fills);
     // a step of a whole layer read in place: counted as a step of the phase, nothing planned
     void note_in_place(int32_t il, llama_moe_cache_phase phase, uint64_t n_routed);
 
@@ -205,10 +218,13 @@ struct llama_moe_cache {
     void note_staging(int32_t il);
 
     // the device lookup's handover (llama-moe-cache-rt.h): layer il's slot state in the flat layout of
-    // ggml-moe-cache-lookup.h, its counters zero; and back, once a device looked the layer up (false, nothing changed,
-    // where the state is inconsistent; why names the first violation)
+    // ggml-moe-cache-lookup.h, its counters zero, its use counts the planner's; and back, once a device looked the
+    // layer up (false, nothing changed, where the state is inconsistent; why names the first violation). set_uses
+    // takes a device's use counts alone (the counted tail read back without a handover: the device keeps counting
+    // from them, so they are totals, not increments)
     void get_state(int32_t il, int32_t * flat) const;
     bool set_state(int32_t il, const int32_t * flat, std::string & why);
+    void set_uses(int32_t il, const int32_t * uses);
 
     // il < 0: the sum over layers
     llama_moe_cache_stats get_stats(int32_t il, llama_moe_cache_phase phase) const;

@@ -3,6 +3,8 @@
 
 #include "ggml-backend.h"
 
+#include <string>
+
 // the host-weight prefetch settings a new context starts from: process default (llama-moe.h setter or a
 // llama.cpp flag), else the environment, else ggml's built-in values
 ggml_backend_sched_prefetch_params llama_moe_prefetch_context_defaults();
@@ -18,6 +20,10 @@ int64_t llama_moe_cache_context_mib();
 // whether a new cache seeds at a prompt's end: process default (llama-moe.h setter or --moe-cache-seed), else
 // LLAMA_MOE_CACHE_SEED, else on
 bool llama_moe_cache_context_seed();
+
+// the expert cache profile a new cache reads and writes: process default (llama-moe.h setter or --moe-cache-profile),
+// else LLAMA_MOE_CACHE_PROFILE, else none (empty)
+std::string llama_moe_cache_context_profile();
 
 // LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1 (read once): every seeded slot is compared with its host expert once its graph
 // is done, and the result logged. Unset or 0: off.

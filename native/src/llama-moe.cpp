@@ -209,6 +209,7 @@ void llama_moe_debug_slowdown(int64_t cycle_us) {
 static std::mutex g_cache_mutex;
 static int64_t g_cache_mib  = -1; // -1: unset
 static int32_t g_cache_seed = -1; // -1: unset
+static std::string g_cache_profile; // empty: unset
 
 int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi) {
     const char * env = getenv(name);
@@ -248,6 +249,20 @@ bool llama_moe_cache_context_seed() {
     }
     static const int64_t env = llama_moe_env_whole("LLAMA_MOE_CACHE_SEED", 0, 1);
     return env != 0;
+}
+
+std::string llama_moe_cache_context_profile() {
+    {
+        std::lock_guard<std::mutex> lock(g_cache_mutex);
+        if (!g_cache_profile.empty()) {
+            return g_cache_profile;
+        }
+    }
+    static const std::string env = [] {
+        const char * v = getenv("LLAMA_MOE_CACHE_PROFILE");
+        return std::string(v ? v : "");
+    }();
+    return env;
 }
 
 bool llama_moe_cache_debug_check_seed() {
@@ -295,6 +310,18 @@ void llama_moe_default_set_moe_cache_seed(int32_t on) {
 
 int32_t llama_moe_default_get_moe_cache_seed(void) {
     return llama_moe_cache_context_seed() ? 1 : 0;
+}
+
+void llama_moe_default_set_moe_cache_profile(const char * path) {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_cache_profile = path ? path : "";
+}
+
+const char * llama_moe_default_get_moe_cache_profile(void) {
+    // the value in effect, kept here so that the pointer stays valid until the next call (or the next set)
+    static thread_local std::string value;
+    value = llama_moe_cache_context_profile();
+    return value.empty() ? nullptr : value.c_str();
 }
 
 void llama_moe_set_moe_cache_mib(llama_context * ctx, int64_t mib) {

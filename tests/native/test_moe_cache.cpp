@@ -991,6 +991,16 @@ static void lookup_handover() {
     CHECK(la.slot_of == lb.slot_of && la.expert_of == lb.expert_of && la.ref == lb.ref && la.hand == lb.hand &&
             la.n_free == lb.n_free, "the states differ after the handover");
     check_cache(b);
+    // the use counts (the expert cache profile) travelled with the state: the same as those of the planner that never
+    // handed over, summing to its hits and misses (each distinct expert once per lookup)
+    const llama_moe_cache_stats sa = a.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE);
+    uint64_t sum_uses = 0;
+    for (int32_t u : la.uses) {
+        sum_uses += (uint64_t) u;
+    }
+    CHECK(la.uses == lb.uses, "the use counts differ after the handover");
+    CHECK(sum_uses == sa.n_hits + sa.n_misses && sum_uses > 0, "uses %" PRIu64 ", hits + misses %" PRIu64, sum_uses,
+            sa.n_hits + sa.n_misses);
 
     // bad input, as a device would get it without the host's checks, changes nothing and leaves the marks clear:
     // an id out of range (-2), a state whose free count or slots disagree (-3); a hand out of range is taken as 0
@@ -1023,6 +1033,90 @@ static void lookup_handover() {
     l.hand = -3;
     CHECK(lookup({ 5, 6 }) >= 0 && l.hand >= 0 && l.hand < 40, "hand %d", l.hand);
     check_cache(b);
+}
+
+static void profile_counts() {
+    // The expert cache profile's counts: the lookup adds 1 per distinct expert of a lookup that plans (repeats within a
+    // ubatch once), nothing for an overflow; saturating at INT32_MAX; a seed adds its routed tokens to prompt_uses.
+    llama_moe_cache c = one_layer(16, 4);
+    llama_moe_cache_decode_plan p;
+    const std::vector<int32_t> two = { 3, 5, 3, 7 }; // 2 tokens of 2: experts 3, 5, 7
+    CHECK(c.plan_decode(0, two.data(), 2, 2, 2, p), "overflow");
+    const llama_moe_cache_layer & l = *c.layer(0);
+    CHECK(l.uses[3] == 1 && l.uses[5] == 1 && l.uses[7] == 1 && l.uses[0] == 0, "uses %d %d %d", l.uses[3], l.uses[5], l.uses[7]);
+    const std::vector<int32_t> many = { 0, 1, 2, 4, 6 }; // 5 distinct experts > 4 slots: the staging path
+    CHECK(!c.plan_decode(0, many.data(), 1, 5, 5, p), "no overflow");
+    CHECK(l.uses[0] == 0 && l.uses[1] == 0, "an overflow was counted");
+    // saturation, in the flat state a device keeps as in the planner's
+    std::vector<int32_t> flat(ggml_moe_cache_state_size(16, 4), 0);
+    c.get_state(0, flat.data());
+    const ggml_moe_cache_state st = ggml_moe_cache_state_flat(flat.data(), 16, 4);
+    CHECK(st.uses[3] == 1 && st.uses + 16 == flat.data() + flat.size(), "the flat uses are not the state's tail");
+    CHECK(ggml_moe_cache_state_counted_offset(16, 4) + ggml_moe_cache_state_counted_size(16) == (int64_t) flat.size() &&
+            flat.data() + ggml_moe_cache_state_counted_offset(16, 4) == st.counters, "the counted tail's offsets");
+    st.uses[5] = INT32_MAX;
+    std::vector<uint8_t> scratch(ggml_moe_cache_scratch_size(16, 4), 0);
+    std::vector<int32_t> dst(ggml_moe_cache_lookup_dst_size(2, 1, 4), -1);
+    const ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(2, 1, 4);
+    const std::vector<int32_t> one = { 5, 9 };
+    CHECK(ggml_moe_cache_lookup_to_dst(&st, ggml_moe_cache_scratch_at(scratch.data(), 16, 4), one.data(), 1, 2, 2, dst.data(),
+            dst.data() + d.result) >= 0, "refused");
+    CHECK(st.uses[5] == INT32_MAX && st.uses[9] == 1, "uses %d %d", st.uses[5], st.uses[9]);
+    std::string why;
+    CHECK(c.set_state(0, flat.data(), why), "%s", why.c_str());
+    CHECK(l.uses[5] == INT32_MAX && l.uses[9] == 1 && l.uses[3] == 1, "the uses were not taken back");
+    c.set_uses(0, std::vector<int32_t>(16, 2).data());
+    CHECK(l.uses == std::vector<int32_t>(16, 2), "set_uses");
+    // a seed counts its routed tokens (repeats too) as prompt routing; decode's counts stay
+    std::vector<int32_t> routing;
+    for (int t = 0; t < 10; t++) {
+        routing.push_back(t % 3);
+        routing.push_back(10 + t % 2);
+    }
+    std::vector<llama_moe_cache_fill> fills;
+    c.seed(0, routing.data(), 10, 2, 2, fills);
+    CHECK(l.prompt_uses[0] == 4 && l.prompt_uses[1] == 3 && l.prompt_uses[10] == 5 && l.prompt_uses[11] == 5 &&
+            l.prompt_uses[5] == 0 && l.uses == std::vector<int32_t>(16, 2), "prompt uses %d %d %d", l.prompt_uses[0],
+            l.prompt_uses[10], l.prompt_uses[5]);
+    // clear() keeps the counts: they are the context's, not the residents'
+    c.clear();
+    CHECK(l.uses == std::vector<int32_t>(16, 2) && l.prompt_uses[0] == 4, "clear() dropped the counts");
+}
+
+static void profile_preload() {
+    // A profile's experts, ranked, fill the free slots (own slot first, as every planner places them), listed by slot;
+    // a full layer takes no more, residents are skipped, nothing is counted as a step
+    llama_moe_cache c = one_layer(64, 16);
+    bank b(c);
+    std::vector<int32_t> ranked = { 40, 3, 63, 17, 15, 0 };
+    for (int32_t e = 20; e < 34; e++) {
+        ranked.push_back(e);
+    }
+    std::vector<llama_moe_cache_fill> fills;
+    CHECK(c.preload(0, ranked, fills) == 16 && fills.size() == 16, "%zu fills", fills.size());
+    const llama_moe_cache_layer & l = *c.layer(0);
+    for (size_t i = 0; i < ranked.size(); i++) {
+        CHECK((l.slot_of[ranked[i]] >= 0) == (i < 16), "rank %zu (expert %d) resident %d", i, ranked[i], l.slot_of[ranked[i]]);
+    }
+    CHECK(l.slot_of[40] == 0 && l.slot_of[3] == 3 && l.slot_of[15] == 15 && l.slot_of[0] == 4, "own slot where free, else the lowest");
+    for (size_t i = 1; i < fills.size(); i++) {
+        CHECK(fills[i].slot > fills[i - 1].slot, "fills not sorted by slot");
+    }
+    CHECK(c.get_stats(0, LLAMA_MOE_CACHE_PHASE_DECODE).n_ubatches == 0 && c.get_stats(0, LLAMA_MOE_CACHE_PHASE_PROMPT).n_fills == 0,
+            "a preload counted as a step");
+    check_cache(c);
+    CHECK(c.preload(0, { 50, 51 }, fills) == 0 && fills.empty(), "a full layer took more");
+    // the first decode token of the profile's top experts hits
+    llama_moe_cache_decode_plan p;
+    const std::vector<int32_t> top = { 40, 3, 63, 17 };
+    CHECK(c.plan_decode(0, top.data(), 1, 4, 4, p) && p.fills.empty(), "%zu misses", p.fills.size());
+    // the planted stale slot counts a preload's fills too
+    llama_moe_cache k = one_layer(64, 16);
+    k.debug_skip_fill = 2;
+    CHECK(k.preload(0, ranked, fills) == 16 && fills.size() == 15 && k.layer(0)->slot_of[3] >= 0, "%zu fills", fills.size());
+    CHECK(std::none_of(fills.begin(), fills.end(), [](const llama_moe_cache_fill & f) { return f.expert == 3; }),
+            "the planted fill was listed");
+    (void) b;
 }
 
 // the hit rate of the next n_tokens tokens decoded one at a time from the router's draws, on the cache as it is
@@ -1200,6 +1294,8 @@ int main(int argc, char ** argv) {
         { "fill-whole",              fill_whole },
         { "lookup-handover",         lookup_handover },
         { "seed-by-routing",         seed_by_routing },
+        { "profile-counts",          profile_counts },
+        { "profile-preload",         profile_preload },
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s CASE|all|sim|first-tokens|list\n", argv[0]);

@@ -9,6 +9,7 @@
 //   expert_of[n_slots]  the expert of each slot, -1 when free
 //   ref[n_slots]        CLOCK reference bits (0/1)
 //   hand, n_free        the CLOCK hand and the free slots
+//   uses[n_expert]      how many lookups routed to each expert (issue 14, the expert cache profile)
 //
 // A lookup of a ubatch's routing: the distinct experts in order of first appearance; each hit sets its reference bit
 // and is pinned; each miss takes its own slot (slot e for expert e) if that one is free, else the lowest free slot,
@@ -16,6 +17,12 @@
 // pinned; slot ids are written for every routed id. More distinct experts than slots change nothing (-1). A device
 // runs this without the host's checks, so bad input changes nothing either: an id out of range (-2), a state whose
 // counts disagree with its slots (-3); a hand out of range is taken as 0.
+//
+// Use counts (uses, where not NULL): a lookup that plans (result >= 0) adds 1 to each distinct expert it routes, so a
+// layer's uses sum to its hits + misses, the counters' experts; a refused lookup counts nothing. Counted here, in the
+// one lookup, so that the host-side plan, the CPU op, SIM and the CUDA kernel count alike and the counts travel with
+// the state at every handover. int32 values saturating at INT32_MAX (never negative: GGUF, where a profile keeps them,
+// has no unsigned tensor type).
 #pragma once
 
 #include <stdint.h>
@@ -39,6 +46,7 @@ struct ggml_moe_cache_state {
     int32_t * hand;
     int32_t * n_free;
     int32_t * counters; // [2 * GGML_MOE_CACHE_N_COUNTERS] or NULL: what ggml_moe_cache_lookup_to_dst counts
+    int32_t * uses;     // [n_expert] or NULL: what ggml_moe_cache_lookup_slots counts per expert (saturating)
 };
 
 // what the lookups of a device state count, so that the host learns its hit rate without reading every step back:
@@ -86,10 +94,20 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_scratch ggml_moe_cache_scratch_at(void *
 }
 
 // The flat state that the op GGML_OP_MOE_CACHE_LOOKUP (ggml.h) reads and updates in place, one int32 tensor per
-// layer: [hand, n_free, slot_of[n_expert], expert_of[n_slots], ref[n_slots], counters[2 * GGML_MOE_CACHE_N_COUNTERS]].
-// One piece, so that handing a layer's state between the host-side plan and a device is one copy.
+// layer: [hand, n_free, slot_of[n_expert], expert_of[n_slots], ref[n_slots], counters[2 * GGML_MOE_CACHE_N_COUNTERS],
+// uses[n_expert]]. One piece, so that handing a layer's state between the host-side plan and a device is one copy; what
+// the lookups count (counters, uses) is its tail, read back alone for the stats.
 GGML_MOE_CACHE_FN int64_t ggml_moe_cache_state_size(int32_t n_expert, int32_t n_slots) {
-    return 2 + (int64_t) n_expert + 2 * (int64_t) n_slots + 2 * GGML_MOE_CACHE_N_COUNTERS;
+    return 2 + 2 * (int64_t) n_expert + 2 * (int64_t) n_slots + 2 * GGML_MOE_CACHE_N_COUNTERS;
+}
+
+// where the counted tail (counters, then uses) starts in the flat state, in elements, and its length
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_state_counted_offset(int32_t n_expert, int32_t n_slots) {
+    return 2 + (int64_t) n_expert + 2 * (int64_t) n_slots;
+}
+
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_state_counted_size(int32_t n_expert) {
+    return 2 * GGML_MOE_CACHE_N_COUNTERS + (int64_t) n_expert;
 }
 
 GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t * flat, int32_t n_expert, int32_t n_slots) {
@@ -102,6 +120,7 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t 
     st.expert_of = flat + 2 + n_expert;
     st.ref       = flat + 2 + n_expert + n_slots;
     st.counters  = flat + 2 + n_expert + 2 * n_slots;
+    st.uses      = st.counters + 2 * GGML_MOE_CACHE_N_COUNTERS;
     return st;
 }
 
@@ -276,6 +295,12 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cach
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int32_t j = 0; j < n_used; j++) {
             slot_ids[t * n_used + j] = st->slot_of[ids[t * stride + j]];
+        }
+    }
+    if (st->uses) {
+        for (int32_t i = 0; i < n_distinct; i++) {
+            int32_t * u = &st->uses[sc.distinct[i]];
+            *u = *u < 0 ? 0 : *u + (*u < 0x7fffffff);
         }
     }
     for (int32_t i = 0; i < n_distinct; i++) {

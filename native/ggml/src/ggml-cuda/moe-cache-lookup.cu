@@ -72,7 +72,7 @@ bool ggml_cuda_moe_cache_lookup_supported(int device, const ggml_tensor * op) {
     if (!ggml_is_contiguous(state) || !ggml_is_contiguous(op) || ids->nb[0] != sizeof(int32_t)) {
         return false;
     }
-    // the default limit, so that the launch needs no opt-in attribute: 48 KiB hold about 1600 experts with a slot each
+    // the default limit, so that the launch needs no opt-in attribute: 48 KiB hold about 1400 experts with a slot each (the state keeps a use count per expert)
     const int32_t n_expert = ggml_get_op_params_i32(op, 0);
     const int32_t n_slots  = ggml_get_op_params_i32(op, 1);
     return moe_cache_lookup_shared_size(n_expert, n_slots) <= ggml_cuda_info().devices[device].smpb;
