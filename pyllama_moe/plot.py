@@ -48,6 +48,18 @@ def load_tests(paths: list[Path]) -> tuple[list[dict], dict]:
     return tests, _merge_meta(paths, metas)
 
 
+def llama_bench_records(path: Path) -> list[dict] | None:
+    """The records of a llama-bench `-o json` file (one build's output, not a `bench --json` file), or None if it is not
+    one (then `_read_file` says what is wrong with it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(data, list) and data and all(isinstance(r, dict) and "samples_ts" in r for r in data)):
+        return None
+    return data
+
+
 def _read_file(path: Path, normalize: bool = True) -> tuple[dict, list[dict]]:
     """Meta and tests of one bench file, refused with one message if it is not one; the tests normalized
     (see `_normalize`) or, for the samples picture, as written."""

@@ -17,21 +17,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import json
 import statistics
 
 from pyllama_moe.bench_hits import parse_layer_rates
 from pyllama_moe.errors import UserError
-from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file
+from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
 
 
 def _llama_bench_hits(path: Path) -> list[tuple[str, list[tuple[int, float]], float, float | None]] | None:
     """hit_series of a llama-bench `-o json` file (a list of records), or None if it is not one."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # _read_file says what is wrong with it
-    if not (isinstance(data, list) and data and all(isinstance(r, dict) and "samples_ts" in r for r in data)):
+    data = llama_bench_records(path)
+    if data is None:
         return None
     out = []
     for r in data:

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from pyllama_moe.errors import UserError
-from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file
+from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
 
 # what a point is: (title of the y axis, the value, its interval's low and high)
 MEASURES = {
@@ -62,11 +62,8 @@ def sweep_series(path: Path, field: str, measure: str) -> dict[str, list[tuple[f
 
 def _llama_bench_tests(path: Path, measure: str) -> list[dict] | None:
     """The records of a llama-bench `-o json` file as tests with a key and a median, or None if it is not one."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # _read_file says what is wrong with it
-    if not (isinstance(data, list) and data and all(isinstance(r, dict) and "samples_ts" in r for r in data)):
+    data = llama_bench_records(path)
+    if data is None:
         return None
     if measure != "ts":
         raise UserError(f"{path} is llama-bench output of one build: it has t/s, no {measure}",
