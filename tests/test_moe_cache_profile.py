@@ -229,3 +229,57 @@ def test_profile_show_and_the_heat_map(written, tmp_path, capsys):
     junk.write_bytes(b"junk")
     assert main(["profile", "show", str(junk)]) == 2
     assert "is not a GGUF file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["large", "fifo", "directory"])
+def test_what_cannot_be_a_profile_is_refused_unread(patched_build, src, model, reference_short, tmp_path, kind):
+    # a model or a disk image passed by mistake was read into memory whole (twice) before its keys said it was no profile
+    # (1 GiB: 2 GiB of memory; more could end the process), and a FIFO blocked the context's creation: both are refused
+    # by what the path is, before anything is read
+    import os
+    import threading
+
+    bad = tmp_path / "bad.gguf"
+    writer = None
+    if kind == "large":
+        with open(bad, "wb") as f:  # sparse: costs nothing on the disk
+            f.write(b"GGUF")
+            f.truncate(1 << 30)
+        what = "more than a profile of this model can be"
+    elif kind == "fifo":
+        os.mkfifo(bad)
+        # a writer, so that a reader that opens it (the old behaviour) does not hang the test: it finds it empty
+        writer = threading.Thread(target=lambda: open(bad, "wb").close(), daemon=True)
+        writer.start()
+        what = "is not a regular file"
+    else:
+        bad.mkdir()
+        what = "is not a regular file"
+    got = _run(patched_build, src, model, bad, tokens=SHORT, generate=16)
+    _refused(got, bad, what)
+    _same(got, reference_short)
+    if kind == "large":
+        assert bad.stat().st_size == 1 << 30 and bad.read_bytes()[:4] == b"GGUF"
+    if writer is not None and writer.is_alive():
+        os.close(os.open(bad, os.O_RDONLY | os.O_NONBLOCK))  # nobody opened it: release the writer
+        writer.join(5)
+
+
+def test_two_processes_sharing_a_profile_both_add_their_counts(patched_build, src, model, written, tmp_path):
+    # each process reads the file when it is freed, adds its counts and renames its own file over it: without a lock
+    # across processes, the second rename dropped the first one's counts. A debug delay holds each write's read and
+    # rename apart, so that the two processes' windows overlap
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, _ = written
+    shared = tmp_path / "shared.gguf"
+    shared.write_bytes(path.read_bytes())
+    base = profile.read(shared)
+    env = {"LLAMA_MOE_CACHE_DEBUG_PROFILE_WRITE_DELAY_MS": "2000"}
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: _run(patched_build, src, model, shared, env=env), range(2)))
+    after = profile.read(shared)
+    assert after.n_runs == base.n_runs + 2, (base.n_runs, after.n_runs)
+    added = sum(_decode(r)["n_hits"] + _decode(r)["n_misses"] for r in runs)
+    assert int(after.decode.sum()) == int(base.decode.sum()) + added
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["shared.gguf"]  # no temporary file left

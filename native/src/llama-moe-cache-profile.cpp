@@ -12,13 +12,17 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <filesystem>
+#include <system_error>
 
 #ifdef _WIN32
 #include <process.h>
 #define MOE_PROFILE_PID() _getpid()
 #else
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
-#define MOE_PROFILE_PID() getpid()
 #endif
 
 static const char * const KEY_FORMAT   = "pyllama_moe.profile.format";
@@ -140,6 +144,16 @@ static bool get_counts(ggml_context * ctx, const char * name, const llama_moe_ca
     return true;
 }
 
+// the most bytes a profile of the model of id can take: its two count tensors, and room for the keys, the tensor infos
+// and the alignment. A larger file is refused unread (a model or a disk image passed by mistake would otherwise be read
+// into memory twice before its keys show that it is not a profile)
+static uint64_t profile_max_bytes(const llama_moe_cache_profile_id & id) {
+    return 2 * (uint64_t) id.n_layer * id.n_expert * sizeof(int32_t) + 64 * 1024;
+}
+
+static llama_moe_cache_profile_status read_checked(const std::string & path, const llama_moe_cache_profile_id & id,
+        llama_moe_cache_profile & out, std::string & why, std::string & fix);
+
 llama_moe_cache_profile_status llama_moe_cache_profile_read(const std::string & path, const llama_moe_cache_profile_id & id,
         llama_moe_cache_profile & out, std::string & why, std::string & fix) {
     out = {};
@@ -147,7 +161,42 @@ llama_moe_cache_profile_status llama_moe_cache_profile_read(const std::string & 
     out.decode.assign((size_t) id.n_layer * id.n_expert, 0);
     out.prompt.assign(out.decode.size(), 0);
     fix = "delete it (a new one is written when the context is freed) or pass another --moe-cache-profile (LLAMA_MOE_CACHE_PROFILE)";
+    llama_moe_cache_profile_status status = LLAMA_MOE_CACHE_PROFILE_REFUSED;
+    try {
+        status = read_checked(path, id, out, why, fix);
+    } catch (const std::exception & e) { // e.g. std::bad_alloc: a refusal, not the end of the process
+        why = std::string("cannot be read (") + e.what() + ")";
+    }
+    if (status != LLAMA_MOE_CACHE_PROFILE_LOADED) {
+        out.n_runs = 0;
+        std::fill(out.decode.begin(), out.decode.end(), 0);
+        std::fill(out.prompt.begin(), out.prompt.end(), 0);
+    }
+    return status;
+}
 
+static llama_moe_cache_profile_status read_checked(const std::string & path, const llama_moe_cache_profile_id & id,
+        llama_moe_cache_profile & out, std::string & why, std::string & fix) {
+    // what the path is, before opening it: opening a FIFO would block, a device or a model file would be read whole
+    std::error_code ec;
+    const std::filesystem::file_status st = std::filesystem::status(path, ec);
+    if (st.type() == std::filesystem::file_type::not_found) {
+        return LLAMA_MOE_CACHE_PROFILE_MISSING;
+    }
+    if (!ec && st.type() != std::filesystem::file_type::regular) {
+        why = "is not a regular file";
+        fix = "pass the path of a profile file (or of one to be written) to --moe-cache-profile (LLAMA_MOE_CACHE_PROFILE)";
+        return LLAMA_MOE_CACHE_PROFILE_REFUSED;
+    }
+    const uint64_t max_bytes = profile_max_bytes(id);
+    const uintmax_t size = std::filesystem::file_size(path, ec);
+    char buf[512];
+    if (!ec && size > max_bytes) {
+        snprintf(buf, sizeof(buf), "is %ju bytes, more than a profile of this model can be (%" PRIu64 " bytes): not a profile",
+                size, max_bytes);
+        why = buf;
+        return LLAMA_MOE_CACHE_PROFILE_REFUSED;
+    }
     FILE * f = fopen(path.c_str(), "rb");
     if (f == nullptr) {
         if (errno == ENOENT) {
@@ -157,15 +206,21 @@ llama_moe_cache_profile_status llama_moe_cache_profile_read(const std::string & 
         fix = "make it readable or pass another --moe-cache-profile (LLAMA_MOE_CACHE_PROFILE)";
         return LLAMA_MOE_CACHE_PROFILE_REFUSED;
     }
+    // at most max_bytes + 1, whatever the size said: the file may grow between the two
     std::vector<uint8_t> data;
     uint8_t chunk[65536];
-    for (size_t n; (n = fread(chunk, 1, sizeof(chunk), f)) > 0;) {
+    for (size_t n; data.size() <= max_bytes && (n = fread(chunk, 1, sizeof(chunk), f)) > 0;) {
         data.insert(data.end(), chunk, chunk + n);
     }
     const bool read_error = ferror(f) != 0;
     fclose(f);
     if (read_error) {
         why = "cannot be read (an I/O error)";
+        return LLAMA_MOE_CACHE_PROFILE_REFUSED;
+    }
+    if (data.size() > max_bytes) {
+        snprintf(buf, sizeof(buf), "is more than %" PRIu64 " bytes, more than a profile of this model can be: not a profile", max_bytes);
+        why = buf;
         return LLAMA_MOE_CACHE_PROFILE_REFUSED;
     }
     if (data.size() < 4 || memcmp(data.data(), "GGUF", 4) != 0) {
@@ -182,7 +237,6 @@ llama_moe_cache_profile_status llama_moe_cache_profile_read(const std::string & 
     std::string format;
     uint32_t version = 0;
     llama_moe_cache_profile_id got;
-    char buf[512];
     if (!get_str(g, KEY_FORMAT, format) || format != FORMAT_NAME) {
         why = "is a GGUF file but not an expert cache profile (no " + std::string(KEY_FORMAT) + " \"" + FORMAT_NAME + "\")";
     } else if (!get_u32(g, KEY_VERSION, version) || version != VERSION) {
@@ -197,11 +251,6 @@ llama_moe_cache_profile_status llama_moe_cache_profile_read(const std::string & 
               llama_moe_cache_profile_describe(id) + ")";
     } else if (get_counts(ctx, "decode", id, out.decode, why) && get_counts(ctx, "prompt", id, out.prompt, why)) {
         status = LLAMA_MOE_CACHE_PROFILE_LOADED;
-    }
-    if (status != LLAMA_MOE_CACHE_PROFILE_LOADED) {
-        out.n_runs = 0;
-        std::fill(out.decode.begin(), out.decode.end(), 0);
-        std::fill(out.prompt.begin(), out.prompt.end(), 0);
     }
     gguf_free(g);
     ggml_free(ctx);
@@ -240,18 +289,34 @@ bool llama_moe_cache_profile_write(const std::string & path, const llama_moe_cac
         }
         gguf_add_tensor(g, t);
     }
-    const std::string tmp = path + ".tmp." + std::to_string((long long) MOE_PROFILE_PID());
-    bool ok = false;
+    // a name of its own (mkstemp: unique across processes, also where two PID namespaces share a directory), its bytes
+    // on the disk before the rename (else a crash could leave an empty file under the name, which later runs refuse),
+    // and a rename that replaces the old file on Windows too
+#ifdef _WIN32
+    std::string tmp = path + ".tmp." + std::to_string((long long) MOE_PROFILE_PID());
     FILE * f = fopen(tmp.c_str(), "wb");
+#else
+    std::string tmp = path + ".tmp.XXXXXX";
+    const int fd = mkstemp(tmp.data());
+    FILE * f = fd >= 0 ? fdopen(fd, "wb") : nullptr;
+    if (fd >= 0 && f == nullptr) {
+        close(fd);
+    }
+#endif
+    bool ok = false;
     if (f == nullptr) {
         why = "cannot create " + tmp + " (" + strerror(errno) + ")";
     } else {
-        const bool wrote = gguf_write_to_file_ptr(g, f, false);
+        bool wrote = gguf_write_to_file_ptr(g, f, false) && fflush(f) == 0;
+#ifndef _WIN32
+        wrote = wrote && fsync(fileno(f)) == 0;
+#endif
         const bool closed = fclose(f) == 0;
+        std::error_code ec;
         if (!wrote || !closed) {
             why = "cannot write " + tmp + " (the disk may be full)";
-        } else if (rename(tmp.c_str(), path.c_str()) != 0) {
-            why = "cannot rename " + tmp + " over it (" + strerror(errno) + ")";
+        } else if (std::filesystem::rename(tmp, path, ec), ec) {
+            why = "cannot rename " + tmp + " over it (" + ec.message() + ")";
         } else {
             ok = true;
         }
@@ -262,4 +327,27 @@ bool llama_moe_cache_profile_write(const std::string & path, const llama_moe_cac
     gguf_free(g);
     ggml_free(ctx);
     return ok;
+}
+
+llama_moe_cache_profile_lock::llama_moe_cache_profile_lock(const std::string & path) {
+#ifndef _WIN32
+    // the directory, not a file beside the profile: nothing is left behind, and the profile itself is replaced by rename
+    const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+    fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY);
+    if (fd >= 0 && flock(fd, LOCK_EX) != 0) {
+        close(fd);
+        fd = -1;
+    }
+#else
+    (void) path;
+#endif
+}
+
+llama_moe_cache_profile_lock::~llama_moe_cache_profile_lock() {
+#ifndef _WIN32
+    if (fd >= 0) {
+        flock(fd, LOCK_UN);
+        close(fd);
+    }
+#endif
 }

@@ -52,10 +52,23 @@ enum llama_moe_cache_profile_status {
     LLAMA_MOE_CACHE_PROFILE_REFUSED, // why says what is wrong (after "it ...") and fix what to do
 };
 
-// reads the profile at path for the model of id into out (zeros of id's shape unless LOADED)
+// reads the profile at path for the model of id into out (zeros of id's shape unless LOADED). What is not a regular
+// file, or is larger than a profile of the model can be, is refused unread; nothing it reads ends the process
 llama_moe_cache_profile_status llama_moe_cache_profile_read(const std::string & path, const llama_moe_cache_profile_id & id,
         llama_moe_cache_profile & out, std::string & why, std::string & fix);
 
-// writes p to path atomically: path.tmp.<pid> in the same directory, then renamed over path; false (why: what failed,
-// the temporary file removed, path untouched) on any error
+// writes p to path atomically: a temporary file of its own in the same directory (path.tmp.XXXXXX), synced to the disk,
+// then renamed over path; false (why: what failed, the temporary file removed, path untouched) on any error
 bool llama_moe_cache_profile_write(const std::string & path, const llama_moe_cache_profile & p, std::string & why);
+
+// held over a read, merge and write of the profile at path, so that processes sharing the file add their counts
+// instead of the last one's rename dropping the others' (an exclusive flock on the file's directory; where it cannot
+// be taken, or on Windows, nothing is locked beyond the caller's own mutex)
+struct llama_moe_cache_profile_lock {
+    explicit llama_moe_cache_profile_lock(const std::string & path);
+    ~llama_moe_cache_profile_lock();
+    llama_moe_cache_profile_lock(const llama_moe_cache_profile_lock &) = delete;
+    llama_moe_cache_profile_lock & operator=(const llama_moe_cache_profile_lock &) = delete;
+private:
+    int fd = -1;
+};

@@ -14,12 +14,15 @@
 #include "ggml-moe-cache-lookup.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 static const int EXP_N_WEIGHTS = LLAMA_MOE_CACHE_GATE_B;
@@ -625,7 +628,17 @@ static void load_profile(llama_moe_cache_rt & rt, const llama_model & model) {
 // When the cache is freed (its counts final: the device's read back), the file's counts plus this context's, written
 // back atomically; the file is read again first, so that contexts that were freed since this one was made keep theirs.
 // Nothing is written where this context counted nothing (a context that decoded nothing), or where the file was
-// refused, or is now. One lock over the read and the write, for the contexts of one process.
+// refused, or is now. One lock over the read and the write, for the contexts of one process and, on the file's
+// directory, for the processes that share the file.
+static void write_profile_locked(llama_moe_cache_rt & rt, uint64_t n_decode, uint64_t n_prompt);
+
+// LLAMA_MOE_CACHE_DEBUG_PROFILE_WRITE_DELAY_MS=N (read once): wait N ms between reading the profile and writing it
+// back, inside the lock: a window in which another process's write would be lost without the lock (tests only)
+static int64_t debug_profile_write_delay_ms() {
+    static const int64_t ms = std::max<int64_t>(0, llama_moe_env_whole("LLAMA_MOE_CACHE_DEBUG_PROFILE_WRITE_DELAY_MS", 0, 600000));
+    return ms;
+}
+
 static void write_profile(llama_moe_cache_rt & rt) {
     if (rt.profile_path.empty() || rt.profile_refused) {
         return;
@@ -640,8 +653,18 @@ static void write_profile(llama_moe_cache_rt & rt) {
     if (n_decode + n_prompt == 0) {
         return;
     }
+    try { // from ~llama_context: a failure is said, never the end of the process
+        write_profile_locked(rt, n_decode, n_prompt);
+    } catch (const std::exception & e) {
+        LLAMA_LOG_ERROR("llama_moe: expert cache profile %s not written: %s; the old file is left as it is\n",
+                rt.profile_path.c_str(), e.what());
+    }
+}
+
+static void write_profile_locked(llama_moe_cache_rt & rt, uint64_t n_decode, uint64_t n_prompt) {
     static std::mutex write_mutex;
     std::lock_guard<std::mutex> lock(write_mutex);
+    const llama_moe_cache_profile_lock file_lock(rt.profile_path);
     llama_moe_cache_profile p;
     std::string why, fix;
     if (llama_moe_cache_profile_read(rt.profile_path, rt.profile_id, p, why, fix) == LLAMA_MOE_CACHE_PROFILE_REFUSED) {
@@ -662,6 +685,9 @@ static void write_profile(llama_moe_cache_rt & rt) {
         }
     }
     p.n_runs++;
+    if (debug_profile_write_delay_ms() > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(debug_profile_write_delay_ms()));
+    }
     if (!llama_moe_cache_profile_write(rt.profile_path, p, why)) {
         LLAMA_LOG_ERROR("llama_moe: expert cache profile %s not written: %s; the old file is left as it is\n",
                 rt.profile_path.c_str(), why.c_str());
@@ -1457,6 +1483,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }
+    const int64_t t_read_back = ggml_time_us(); // LLAMA_MOE_DEBUG_DECODE_TIMES: the settle's synchronizations are waits too
     llama_moe_cache_settle(rt);
     rt->n_graphs++;
     bool banks = false;     // the graph reads or fills banks on the compute streams
@@ -1473,7 +1500,6 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
             device = true;
         }
     }
-    const int64_t t_read_back = ggml_time_us();
     read_back_states(*rt, sched, rt->device_in_graph);
     rt->debug_bind_sync_us   = ggml_time_us() - t_read_back;
     rt->debug_bind_upload_us = 0;
