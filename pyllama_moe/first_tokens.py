@@ -55,8 +55,6 @@ class Samples:
     first: list[float] = field(default_factory=list)   # t/s of its first F tokens
     steady: list[float] = field(default_factory=list)  # t/s of its F tokens after the W more
     rounds: list[tuple[float, float]] = field(default_factory=list)  # per round: mean steady, mean first
-    first_token_ms: list[float] = field(default_factory=list)   # the first of the first F (the first decode graph)
-    steady_token_ms: list[float] = field(default_factory=list)  # the first of the steady F
     # every token's ms of each repetition's first and steady F (on CUDA the first after a prompt runs without a CUDA
     # graph and the second captures one)
     first_tokens_ms: list[list[float]] = field(default_factory=list)
@@ -64,6 +62,16 @@ class Samples:
     # the expert cache's decode hit rate over the first and the steady F tokens (empty without a cache)
     first_hits: list[float] = field(default_factory=list)
     steady_hits: list[float] = field(default_factory=list)
+
+    @property
+    def first_token_ms(self) -> list[float]:
+        """The first token of each repetition's first F (after a prompt: the first decode graph)."""
+        return [chunk[0] for chunk in self.first_tokens_ms]
+
+    @property
+    def steady_token_ms(self) -> list[float]:
+        """The first token of each repetition's steady F."""
+        return [chunk[0] for chunk in self.steady_tokens_ms]
 
 
 def _hit_rate(before: dict, after: dict) -> float | None:
@@ -80,10 +88,9 @@ def _timed_chunk(proc: paced.PacedProcess, n: int, counters: bool) -> tuple[floa
     return n / (reply["ns"] / 1e9), [ns / 1e6 for ns in reply["token_ns"]], rate
 
 
-def _record(rates: list[float], token_ms: list[float], tokens_ms: list[list[float]], hits: list[float],
+def _record(rates: list[float], tokens_ms: list[list[float]], hits: list[float],
             chunk: tuple[float, list[float], float | None]):
     rates.append(chunk[0])
-    token_ms.append(chunk[1][0])
     tokens_ms.append(chunk[1])
     if chunk[2] is not None:
         hits.append(chunk[2])
@@ -128,10 +135,10 @@ def measure(build: Build, spec: paced.PacedSpec, settings: list[Setting], *, rou
                     if reset:
                         proc.run("moe-cache-reset", STEP_TIMEOUT_S)
                     got.prompt.append(spec.n_prompt / (proc.run(f"pp {spec.n_prompt}", STEP_TIMEOUT_S)["ns"] / 1e9))
-                    _record(got.first, got.first_token_ms, got.first_tokens_ms, got.first_hits, _timed_chunk(proc, first, counters[s.name]))
+                    _record(got.first, got.first_tokens_ms, got.first_hits, _timed_chunk(proc, first, counters[s.name]))
                     if warm:
                         proc.run(f"tg-more {warm}", STEP_TIMEOUT_S)
-                    _record(got.steady, got.steady_token_ms, got.steady_tokens_ms, got.steady_hits, _timed_chunk(proc, first, counters[s.name]))
+                    _record(got.steady, got.steady_tokens_ms, got.steady_hits, _timed_chunk(proc, first, counters[s.name]))
                     per_round[s.name][0].append(got.steady[-1])
                     per_round[s.name][1].append(got.first[-1])
         finally:

@@ -1483,7 +1483,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }
-    const int64_t t_read_back = ggml_time_us(); // LLAMA_MOE_DEBUG_DECODE_TIMES: the settle's synchronizations are waits too
+    const int64_t t_waits = ggml_time_us(); // LLAMA_MOE_DEBUG_DECODE_TIMES: the settle's synchronizations are waits too
     llama_moe_cache_settle(rt);
     rt->n_graphs++;
     bool banks = false;     // the graph reads or fills banks on the compute streams
@@ -1501,7 +1501,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         }
     }
     read_back_states(*rt, sched, rt->device_in_graph);
-    rt->debug_bind_sync_us   = ggml_time_us() - t_read_back;
+    rt->debug_bind_sync_us   = ggml_time_us() - t_waits;
     rt->debug_bind_upload_us = 0;
     for (const llama_moe_cache_route & r : routes) {
         rt_layer & l = rt->layers[rt->index[r.il]];
