@@ -152,6 +152,30 @@ LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_seed(void);
 LLAMA_MOE_API void         llama_moe_default_set_moe_cache_profile(const char * path);
 LLAMA_MOE_API const char * llama_moe_default_get_moe_cache_profile(void);
 
+// --fit with the expert cache (common/fit-moe-cache.h): with a budget asked for and a model that does not fit, --fit
+// measures the model with every expert on the host and gives each device's room (free memory less the measurement,
+// the prefetch staging and the target) to the cache first, up to the budget, and what is left to whole layers; where a
+// device's room cannot hold n_expert_used slots in each of its host layers it places layers as without a cache. It
+// caps each device's cache at the room it planned, by the device's ggml name ("CUDA0", "SIM1"): a cache made later
+// takes min(budget, cap) there, none at a cap of 0. >= 0 sets a cap, -1 removes it; setting the process budget
+// (llama_moe_default_set_moe_cache_mib) removes every cap. The getter returns the cap in effect, -1 for none.
+LLAMA_MOE_API void    llama_moe_default_set_moe_cache_device_cap_mib(const char * device, int64_t mib);
+LLAMA_MOE_API int64_t llama_moe_default_get_moe_cache_device_cap_mib(const char * device);
+
+// What a cache needs on one device of a model as placed (also a model loaded with no_alloc, as --fit loads it): the
+// MoE layers computed on the device whose experts are on the host and could be cached. Fields may be appended.
+struct llama_moe_cache_need {
+    int32_t n_layers;       // such layers
+    int32_t n_expert;       // experts per layer
+    int32_t n_expert_used;  // the most experts a token of one of them routes to
+    size_t  min_bytes;      // the least budget: n_expert_used slots in each, with its slot map and lookup state
+    size_t  full_bytes;     // a slot for every expert of each
+    size_t  largest_tensor; // the largest expert tensor among them (a prompt's prefetch stages one per split)
+};
+// Returns the number of such layers (0: *out is zeroed but n_expert); device by its ggml name, NULL: no layers.
+LLAMA_MOE_API int32_t llama_moe_cache_need_on(const struct llama_model * model, const char * device,
+        struct llama_moe_cache_need * out);
+
 // Counters of a context's cache since it was created: per layer (il >= 0) or summed over layers (il < 0), and phase
 // (0 prompt, 1 decode). Experts are counted once per ubatch and layer; bytes over all of a layer's expert tensors.
 // Fields may be appended: callers compile against this header (cffi reads it).

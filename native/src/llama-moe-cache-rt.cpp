@@ -272,6 +272,40 @@ static int32_t layer_n_tensors(const rt_layer & l) {
     return n;
 }
 
+// the slot map and the device lookup's state of one layer: what a cached layer takes besides its slots
+static size_t layer_overhead_bytes(const rt_layer & l, int32_t decode_max) {
+    return (size_t) l.n_expert * decode_max * sizeof(int32_t) +
+           (size_t) ggml_moe_cache_state_size(l.n_expert, l.n_expert) * sizeof(int32_t);
+}
+
+llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_backend_dev_t dev) {
+    const llama_hparams & hp = model.hparams;
+    const int32_t min_slots = std::max<int32_t>((int32_t) hp.n_expert_used_max(), 1);
+    llama_moe_cache_need need = {};
+    need.n_expert = (int32_t) hp.n_expert;
+    for (int32_t il = 0; il < (int32_t) hp.n_layer(); il++) {
+        rt_layer l;
+        l.il       = il;
+        l.n_used   = (int32_t) hp.n_expert_used(il);
+        l.n_expert = (int32_t) hp.n_expert;
+        if (layer_unfit(model, il, l) != nullptr || l.dev != dev) {
+            continue;
+        }
+        const size_t overhead = layer_overhead_bytes(l, decode_max_tokens());
+        const size_t eb       = layer_expert_bytes(l);
+        need.n_layers++;
+        need.n_expert_used = std::max(need.n_expert_used, l.n_used);
+        need.min_bytes    += overhead + (size_t) std::min(min_slots, l.n_expert) * eb;
+        need.full_bytes   += overhead + (size_t) l.n_expert * eb;
+        for (int k = 0; k < EXP_N_WEIGHTS; k++) {
+            if (l.g.host[k] != nullptr) {
+                need.largest_tensor = std::max(need.largest_tensor, ggml_nbytes(l.g.host[k]));
+            }
+        }
+    }
+    return need;
+}
+
 // the banks of the layers of one device in one buffer; false (nothing allocated) if it does not fit
 static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & layers, const std::vector<int32_t> & n_slots) {
     ggml_init_params ip = { ggml_tensor_overhead() * (LLAMA_MOE_CACHE_N_TENSORS + 1) * layers.size() + 1024, nullptr, true };
@@ -401,20 +435,31 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 }
             }
             GGML_ASSERT(l.backend != nullptr && "the device of a layer has a backend in the context");
-            // the slot map and the device lookup's state
-            const size_t overhead = (size_t) l.n_expert * rt->decode_max * sizeof(int32_t) +
-                                    (size_t) ggml_moe_cache_state_size(l.n_expert, l.n_expert) * sizeof(int32_t);
+            const size_t overhead = layer_overhead_bytes(l, rt->decode_max);
             descs[i] = { l.il, (int32_t) l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2], layer_expert_bytes(l), overhead, layer_n_tensors(l) };
             idx.push_back(i);
             dd.push_back(descs[i]);
         }
         size_t budget = (size_t) budget_mib * 1024 * 1024;
+        // --fit's share of this device for the cache (fit-moe-cache.h): the memory it measured to be left to it
+        const int64_t cap_mib = llama_moe_cache_device_cap_mib(ggml_backend_dev_name(dev));
+        if (cap_mib == 0) {
+            LLAMA_LOG_INFO("llama_moe: no expert cache on %s: --fit left it no room\n", ggml_backend_dev_name(dev));
+            continue;
+        }
+        if (cap_mib > 0 && (size_t) cap_mib * 1024 * 1024 < budget) {
+            LLAMA_LOG_INFO("llama_moe: expert cache on %s: %" PRId64 " MiB of the %" PRId64 " MiB asked, the room --fit left it\n",
+                    ggml_backend_dev_name(dev), cap_mib, budget_mib);
+            budget = (size_t) cap_mib * 1024 * 1024;
+        }
         size_t free_mem = 0, total_mem = 0;
         ggml_backend_dev_memory(dev, &free_mem, &total_mem);
-        if (free_mem > 0 && budget + CACHE_FREE_MARGIN > free_mem) {
-            const size_t cap = free_mem > CACHE_FREE_MARGIN ? free_mem - CACHE_FREE_MARGIN : 0;
-            LLAMA_LOG_WARN("llama_moe: expert cache on %s shrunk from %" PRId64 " MiB to %.2f MiB: %.2f MiB free, less a %.0f MiB margin\n",
-                    ggml_backend_dev_name(dev), budget_mib, mib(cap), mib(free_mem), mib(CACHE_FREE_MARGIN));
+        // a cap from --fit was measured with the compute buffers, the staging and the target margin left out of it
+        const size_t margin = cap_mib > 0 ? 0 : CACHE_FREE_MARGIN;
+        if (free_mem > 0 && budget + margin > free_mem) {
+            const size_t cap = free_mem > margin ? free_mem - margin : 0;
+            LLAMA_LOG_WARN("llama_moe: expert cache on %s shrunk from %.2f MiB to %.2f MiB: %.2f MiB free, less a %.0f MiB margin\n",
+                    ggml_backend_dev_name(dev), mib(budget), mib(cap), mib(free_mem), mib(margin));
             budget = cap;
         }
         // a bank that does not fit after all (the free memory is a hint) halves the budget, down to nothing

@@ -108,6 +108,11 @@ using llama_moe_cache_routes = std::vector<llama_moe_cache_route>;
 // end of the llama_context constructor: the cache of the budget in effect (logged once), or nullptr when off, when
 // no MoE layer has its experts on the host next to a GPU, or when nothing fits
 // backends: the context's (the scheduler's), one of which computes each cached layer; budget_mib per device, <= 0 off
+// --fit (llama_moe_cache_need_on of llama-moe.h): what a cache needs on dev for the model as placed, also a model
+// loaded with no_alloc
+struct llama_moe_cache_need;
+llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_backend_dev_t dev);
+
 llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends,
         int64_t budget_mib);
 

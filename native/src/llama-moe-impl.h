@@ -17,6 +17,10 @@ int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi);
 // --moe-cache-mib), else LLAMA_MOE_CACHE_MIB, else 0 (off)
 int64_t llama_moe_cache_context_mib();
 
+// the cap --fit set on the expert cache of device dev (ggml name) in MiB, or -1: none (llama-moe.h,
+// llama_moe_default_set_moe_cache_device_cap_mib)
+int64_t llama_moe_cache_device_cap_mib(const char * dev);
+
 // whether a new cache seeds at a prompt's end: process default (llama-moe.h setter or --moe-cache-seed), else
 // LLAMA_MOE_CACHE_SEED, else on
 bool llama_moe_cache_context_seed();
