@@ -36,7 +36,7 @@ sampled() { # $1: name; the rest: a command run while nvidia-smi samples the use
 import sys
 rows = [tuple(int(v) for v in l.split(',')) for l in open(sys.argv[1]) if l.strip()]
 print('least free MiB during $name:', min(t - u for u, t in rows) if rows else 'no samples')" "$OUT/mem-$name.csv" \
-        | tee -a "$OUT/least-free.txt"
+        >> "$OUT/least-free.txt"
     return $rc
 }
 
@@ -97,17 +97,19 @@ bench)
     for r in $(seq 1 ${ROUNDS:-2}); do
         row fit-cache $r -fitt 1024 -mcm 200000 -v
         row fit-nocache $r -fitt 1024 -mcm 0 -v
-        for n in ${NCMOE:-18 20 22 24 28}; do
+        for n in ${NCMOE-18 20 22 24 28}; do
             row ncmoe$n $r -ngl 99 -ncmoe $n
         done
     done
     unplant
+    cat "$OUT/least-free.txt"
     python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 for f in sorted(out.glob("bench-*.json")):
     try:
-        for r in json.loads(f.read_text()):
+        rows, _ = json.JSONDecoder().raw_decode(f.read_text())  # llama-bench may print more after its JSON
+        for r in rows:
             kind = "pp%d" % r["n_prompt"] if r["n_prompt"] else "tg%d" % r["n_gen"]
             print(f.stem, kind, round(r["avg_ts"], 1), "+-", round(r["stddev_ts"], 1), "t/s",
                   "hits", r.get("samples_moe_cache_hit_rate"))
