@@ -60,7 +60,8 @@ namespace {
 
 struct sim_config {
     int         n_devices          = 0;
-    size_t      memory_bytes       = 0;
+    size_t      memory_bytes       = 0; // of device 0; memory_of() for any device
+    std::vector<size_t> memory_per_device; // GGML_SIM_MEMORY_MIB="200,120": a value per device, the last repeated
     std::vector<bool> no_cache_ops;       // GGML_SIM_NO_CACHE_OPS=i,j,...: devices that lack the expert cache's ops
     double      copy_bytes_per_ns  = 0.0; // 0: no bandwidth limit
     int64_t     copy_latency_ns    = 0;
@@ -105,7 +106,15 @@ const sim_config & sim_cfg() {
             n = GGML_SIM_MAX_DEVICES;
         }
         c.n_devices          = n > 0 ? n : 0;
-        c.memory_bytes       = (size_t) (env_double("GGML_SIM_MEMORY_MIB", 8192) * 1024.0 * 1024.0);
+        // one value for every device, or a comma-separated value per device (unequal free memory, as a planted
+        // allocation on one GPU), the last repeated
+        for (double mib : env_list("GGML_SIM_MEMORY_MIB")) {
+            c.memory_per_device.push_back((size_t) (mib * 1024.0 * 1024.0));
+        }
+        if (c.memory_per_device.empty()) {
+            c.memory_per_device.push_back((size_t) 8192 * 1024 * 1024);
+        }
+        c.memory_bytes       = c.memory_per_device[0];
         // devices without GGML_OP_MOE_CACHE_LOOKUP and GGML_OP_MOE_CACHE_FILL, as a backend that lacks them: the cache
         // keeps the host-side plan for their layers
         c.no_cache_ops.assign(std::max(c.n_devices, 1), false);
@@ -679,9 +688,14 @@ const char * sim_buft_get_name(ggml_backend_buffer_type_t buft) {
     return ((sim_device *) buft->context)->name.c_str();
 }
 
+size_t memory_of(const sim_device * dev) {
+    const std::vector<size_t> & m = sim_cfg().memory_per_device;
+    return m[std::min((size_t) dev->index, m.size() - 1)];
+}
+
 ggml_backend_buffer_t sim_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
     sim_device * dev = (sim_device *) buft->context;
-    const size_t total = sim_cfg().memory_bytes;
+    const size_t total = memory_of(dev);
     size_t used = dev->used.load();
     do {
         if (used + size > total) {
@@ -710,8 +724,7 @@ size_t sim_buft_get_alignment(ggml_backend_buffer_type_t buft) {
 }
 
 size_t sim_buft_get_max_size(ggml_backend_buffer_type_t buft) {
-    GGML_UNUSED(buft);
-    return sim_cfg().memory_bytes;
+    return memory_of((const sim_device *) buft->context);
 }
 
 const ggml_backend_buffer_type_i sim_buft_interface = {
@@ -1240,7 +1253,7 @@ const char * sim_dev_get_description(ggml_backend_dev_t dev) {
 }
 
 void sim_dev_get_memory(ggml_backend_dev_t dev, size_t * free, size_t * total) {
-    const size_t t = sim_cfg().memory_bytes;
+    const size_t t = memory_of(device_of(dev));
     const size_t used = device_of(dev)->used.load();
     *total = t;
     *free  = used < t ? t - used : 0;
@@ -1606,7 +1619,7 @@ ggml_backend_reg_t ggml_backend_sim_reg(void) {
             /* .context = */ nullptr,
         };
         if (cfg.n_devices > 0) {
-            GGML_LOG_INFO("ggml_sim: %d simulated GPU device(s) (a test double: CPU kernels on worker threads), %zu MiB each, "
+            GGML_LOG_INFO("ggml_sim: %d simulated GPU device(s) (a test double: CPU kernels on worker threads), %zu MiB (the first), "
                     "copy latency %.1f us, copy bandwidth %s GB/s, poison %s, op log %s\n",
                     cfg.n_devices, cfg.memory_bytes / 1024 / 1024, cfg.copy_latency_ns / 1000.0,
                     cfg.copy_bytes_per_ns > 0 ? std::to_string(cfg.copy_bytes_per_ns).c_str() : "unlimited",
