@@ -29,7 +29,7 @@ TARGET_MIB = 16
 SIM = {"GGML_SIM_DEVICES": "1", "GGML_SIM_MEMORY_MIB": "96", "GGML_SCHED_PREFETCH": "2",
        "GGML_SCHED_PREFETCH_HEADROOM_MIB": "4"}
 PLAN = "common_fit_moe_cache: "
-BREAKDOWN = re.compile(r"\|\s+- (SIM\d) \([^)]*\)\s*\|\s*(\d+) =\s*(\d+) \+")
+BREAKDOWN = re.compile(r"\|\s+- (SIM\d) \(.*?\)\s*\|\s*(\d+) =\s*(\d+) \+")  # the description has parentheses
 
 
 def _cases() -> list[str]:
@@ -86,7 +86,7 @@ def prompt(corpus):
 
 
 def _tool(build, name: str, args: list[str], env: dict[str, str]) -> str:
-    proc = subprocess.run([str(build.tool(name)), *args], capture_output=True, text=True, timeout=300, env={**_base_env(), **env})
+    proc = subprocess.run([str(build.tool(name)), *args], capture_output=True, text=True, errors="replace", timeout=300, env={**_base_env(), **env})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name} failed (exit {proc.returncode}):\n" + "\n".join(out.splitlines()[-20:])
     return out
@@ -101,7 +101,7 @@ def _generate(build, model, prompt, env, *args) -> tuple[str, str]:
     """(generated text, log) of 24 greedy tokens of llama-completion."""
     proc = subprocess.run([str(build.tool("llama-completion")), "-m", str(model), "-f", str(prompt), "-n", "24", "--temp", "0",
                            "-no-cnv", "--ignore-eos", "-c", "1024", "-ub", "256", "-t", "2", "-v", *args],
-                          capture_output=True, text=True, timeout=300, env={**_base_env(), **env})
+                          capture_output=True, text=True, errors="replace", timeout=300, env={**_base_env(), **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, proc.stderr
 
