@@ -47,6 +47,9 @@ class RunSpec:
     # cache's counters at every lookup; mode_logits.py
     lookup_callback: dict | None = None
     contexts: int = 1  # > 1: that many contexts on the model decode at once (RunResult.contexts; mode_logits.py)
+    # expert cache caps per device name in MiB, as --fit sets them (llama_moe_default_set_moe_cache_device_cap_mib),
+    # set before the contexts are made (patched builds, contexts > 1)
+    moe_cache_caps: dict[str, int] | None = None
 
 
 @dataclass
@@ -94,7 +97,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "generate": spec.generate, "logits_out": str(logits_path) if spec.want_logits else None,
                "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch,
                "moe_cache_mib": spec.moe_cache_mib, "op_offload": spec.op_offload,
-               "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback, "contexts": spec.contexts}
+               "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback, "contexts": spec.contexts,
+               "moe_cache_caps": spec.moe_cache_caps}
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None

@@ -187,3 +187,45 @@ def test_fitted_runs_compute_what_master_computes(patched_build, master_build, m
     fitted, log = _generate(patched_build, model, prompt, SIM, *_fit("--moe-cache-mib", "1000"))
     assert "every MoE layer's experts on the host" in log and "decode looks up its slots" in log
     assert fitted == base
+
+
+# --- the cold read's findings, each a case that failed before its fix (results/moe-cache-fit.md, "The cold read") ---
+
+def test_a_second_context_keeps_the_cache_margin_under_a_cap(patched_build, src):
+    """The room --fit plans is for one cache: the first cache on the device takes its cap with no margin of its own,
+    a second context's cache keeps the cache's 512 MiB margin too (before: it took the cap again, down to 0 free)."""
+    from pyllama_moe import models, runner
+    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.paths import CI_DIR
+
+    tiny = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+    spec = runner.RunSpec(model=tiny, tokens=[(i * 7919) % 4000 + 16 for i in range(40)], cpu_moe=True, load_mode="mmap",
+                          repack=False, threads=2, generate=8, stats=True, want_logits=False, contexts=2,
+                          moe_cache_caps={"SIM0": 2},
+                          env={"GGML_SIM_DEVICES": "1", "GGML_SIM_MEMORY_MIB": "64", "LLAMA_MOE_CACHE_MIB": "1000"})
+    got = runner.run(patched_build, src, spec)
+    assert got.log.count("expert cache on SIM0: 2 MiB of the 1000 MiB asked, the room --fit left it") == 2
+    sizes = sorted(ctx["stats"].get("cache_bytes", 0) for ctx in got.contexts)
+    # 64 MiB hold the model and both contexts, but not 512 MiB more: only the first context has a cache
+    assert sizes[0] == 0 and sizes[1] > 0, sizes
+    assert "less a 512 MiB margin" in got.log
+
+
+def test_several_devices_that_hold_every_weight_together_plan_no_cache(patched_build, model, prompt):
+    """Two devices each short of its default share but together holding every weight: --fit's layers put every expert
+    on a device, which no cache beats (before: every expert went to the host for a cache)."""
+    env = {**SIM, "GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "75,75"}
+    _, log = _generate(patched_build, model, prompt, env, *_fit("--moe-cache-mib", "1000"))
+    assert "expert cache not planned: whole layers fit every expert on the devices together" in log
+    assert "MiB of the 1000 MiB asked" not in log
+
+
+def test_the_plan_keeps_the_prefetch_headroom_free(patched_build, model, prompt):
+    """A target below the scheduler's prefetch headroom: the plan keeps the headroom free beside the staging, so the
+    staging it planned is allocated whole (before: the arena was halved, then dropped, its room left idle)."""
+    _, log = _generate(patched_build, model, prompt, {**SIM, "GGML_SCHED_PREFETCH_HEADROOM_MIB": "24"},
+                       *_fit("--moe-cache-mib", "1000"))
+    assert "every MoE layer's experts on the host" in log
+    assert "host-weight prefetch on SIM0: staging arena 17.00 MiB" in log
+    assert "reduced to" not in log and "host-weight prefetch disabled" not in log
+    assert _free_at_exit(log)["SIM0"] >= 24

@@ -6,8 +6,9 @@
 #             weight on the GPU (no planted allocation) against --fit on with the cache under the planted allocation;
 #             the same bytes are the claim (patched all-on-GPU equals master all-on-GPU: the gpu subset's cells)
 #   bench     llama-bench rows under the planted allocation, each its own process, ROUNDS rounds in turn:
-#             fit+cache (-fitt 1024 -mcm 200000), fit without the cache (-fitt 1024 -mcm 0) and -ncmoe N for N in
-#             NCMOE; pp2048 and tg128, -r 3; nvidia-smi sampled every 250 ms during each row: the least free memory
+#             fit+cache (-fitt 1024 -mcm 200000), fit without the cache (-fitt 1024 -mcm 0), fit with a cache budget
+#             below the room for each MiB in HYBRID_MIB (none by default) and -ncmoe N for N in NCMOE;
+#             pp2048 and tg128, -r 3; nvidia-smi sampled every 250 ms during each row: the least free memory
 #             a row left, to tell which rows kept the 1024 MiB target
 # Carry .work/archives and .whl; repeat `FOLLOW_S=560 bash ci/gpu/fit.sh follow` until "pipeline finished".
 set -uo pipefail
@@ -97,6 +98,9 @@ bench)
     for r in $(seq 1 ${ROUNDS:-2}); do
         row fit-cache $r -fitt 1024 -mcm 200000 -v
         row fit-nocache $r -fitt 1024 -mcm 0 -v
+        for b in ${HYBRID_MIB:-}; do # a budget below the room: the cache first, whole layers the rest
+            row fit-cache$b $r -fitt 1024 -mcm $b -v
+        done
         for n in ${NCMOE-18 20 22 24 28}; do
             row ncmoe$n $r -ngl 99 -ncmoe $n
         done
@@ -116,7 +120,7 @@ for f in sorted(out.glob("bench-*.json")):
     except Exception as e:  # a row that failed (out of memory, say) wrote no JSON
         print(f.stem, "no result:", e)
 PY
-    grep -h "common_fit_moe_cache: [ea]\|llama_moe: .*expert cache on\|llama_moe: no expert cache" "$OUT"/bench-fit-*-r1.log | sort | uniq | cut -c1-400
+    grep -h "common_fit_moe_cache: [ea]\|llama_moe: .*expert cache on\|llama_moe: no expert cache\|prefetch o" "$OUT"/bench-fit-*-r1.log | sort | uniq | cut -c1-400
     ;;
 *)
     echo "unknown step $step: use all|follow|identity|bench"; exit 2

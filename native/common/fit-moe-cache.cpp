@@ -4,15 +4,28 @@
 #include <algorithm>
 #include <cstdio>
 
+static const int64_t MiB = 1024 * 1024;
+
 static double mib(int64_t bytes) {
-    return bytes / (1024.0 * 1024.0);
+    return bytes / (double) MiB;
 }
 
+// whole MiB: a cap is set in MiB, so a room is only worth what its whole MiB hold
 static int64_t room_of(const fit_moe_cache_device & d) {
-    return d.free - d.used - d.staging - d.margin;
+    const int64_t room = d.free - d.used - d.staging - d.margin;
+    return room > 0 ? room / MiB * MiB : room;
 }
 
-fit_moe_cache_plan fit_moe_cache_decide(const std::vector<fit_moe_cache_device> & devs, int64_t budget, double share) {
+static fit_moe_cache_plan layers_plan(fit_moe_cache_plan plan, const std::string & why) {
+    plan.kind   = FIT_MOE_CACHE_LAYERS;
+    plan.reason = why;
+    std::fill(plan.cap.begin(), plan.cap.end(), 0);
+    std::fill(plan.reserve.begin(), plan.reserve.end(), 0);
+    return plan;
+}
+
+fit_moe_cache_plan fit_moe_cache_decide(const std::vector<fit_moe_cache_device> & devs, int64_t budget, double share,
+        bool layers_fit_all) {
     fit_moe_cache_plan plan;
     plan.cap.assign(devs.size(), -1);
     plan.reserve.assign(devs.size(), 0);
@@ -20,15 +33,21 @@ fit_moe_cache_plan fit_moe_cache_decide(const std::vector<fit_moe_cache_device> 
         plan.reason = "no expert cache asked for";
         return plan;
     }
+    if (layers_fit_all) {
+        // several devices, each not fitting alone what the default split gives it: --fit's layer placement puts
+        // every expert on a device, which no cache beats
+        plan.reason = "whole layers fit every expert on the devices together";
+        return plan;
+    }
+    budget = budget / MiB * MiB;
 
-    int64_t full_total = 0, room_total = 0, staging_total = 0;
+    int64_t full_total = 0, resident_total = 0;
     int32_t n_layers = 0;
     for (const fit_moe_cache_device & d : devs) {
         n_layers += d.n_layers;
         if (d.n_layers > 0) {
-            full_total    += d.full_bytes;
-            room_total    += std::max<int64_t>(room_of(d), 0);
-            staging_total += d.staging;
+            full_total     += d.full_bytes;
+            resident_total += std::min(std::max<int64_t>(room_of(d), 0), d.full_bytes);
         }
     }
     if (n_layers == 0) {
@@ -37,20 +56,25 @@ fit_moe_cache_plan fit_moe_cache_decide(const std::vector<fit_moe_cache_device> 
         return plan;
     }
 
-    // a device whose room cannot hold the least cache of its layers makes the plan fail as a whole: placing layers
-    // is then what gives the device's memory to experts at all
+    // a device whose room (or the budget) cannot hold the least cache of its layers makes the plan fail as a whole:
+    // placing layers is then what gives the device's memory to experts at all
     for (size_t i = 0; i < devs.size(); i++) {
         const fit_moe_cache_device & d = devs[i];
-        if (d.n_layers > 0 && room_of(d) < d.min_bytes) {
-            char buf[512];
+        if (d.n_layers == 0) {
+            continue;
+        }
+        char buf[512];
+        if (room_of(d) < d.min_bytes) {
             snprintf(buf, sizeof(buf), "with every expert on the host %s has %.0f MiB of room (%.0f free, %.0f measured, "
                     "%.0f of staging, a target of %.0f), below the %.0f MiB that n_expert_used slots in each of its %d MoE "
                     "layers take", d.name.c_str(), mib(room_of(d)), mib(d.free), mib(d.used), mib(d.staging), mib(d.margin),
                     mib(d.min_bytes), d.n_layers);
-            plan.kind = FIT_MOE_CACHE_LAYERS;
-            plan.reason = buf;
-            std::fill(plan.cap.begin(), plan.cap.end(), 0);
-            return plan;
+            return layers_plan(plan, buf);
+        }
+        if (budget < d.min_bytes) {
+            snprintf(buf, sizeof(buf), "the budget of %.0f MiB is below the %.0f MiB that n_expert_used slots in each of the "
+                    "%d MoE layers of %s take", mib(budget), mib(d.min_bytes), d.n_layers, d.name.c_str());
+            return layers_plan(plan, buf);
         }
     }
 
@@ -77,9 +101,8 @@ fit_moe_cache_plan fit_moe_cache_decide(const std::vector<fit_moe_cache_device> 
         plan.reason = "the budget covers the room";
     }
     if (share > 0.0) {
-        // uniform routing: a resident byte saves the same share of a layer's traffic wherever it sits
-        plan.bytes_per_token_cache  = share * (double) std::max<int64_t>(full_total - room_total, 0);
-        plan.bytes_per_token_layers = share * (double) std::max<int64_t>(full_total - room_total - staging_total, 0);
+        // uniform routing: a resident byte saves the same share of a layer's traffic, in a slot or in a placed layer
+        plan.bytes_per_token = share * (double) std::max<int64_t>(full_total - resident_total, 0);
     }
     return plan;
 }
@@ -97,15 +120,15 @@ std::string fit_moe_cache_describe(const fit_moe_cache_plan & plan, const std::v
         char buf[256];
         for (size_t i = 0; i < devs.size(); i++) {
             if (plan.cap[i] > 0) {
-                snprintf(buf, sizeof(buf), "; %s %.0f MiB of cache (%.0f MiB of staging kept for prompts)", devs[i].name.c_str(),
-                        mib(plan.cap[i]), mib(devs[i].staging));
+                snprintf(buf, sizeof(buf), "; %s %lld MiB of cache (%.0f MiB of staging kept for prompts)", devs[i].name.c_str(),
+                        (long long) (plan.cap[i] / MiB), mib(devs[i].staging));
                 s += buf;
             }
         }
-        if (plan.bytes_per_token_cache >= 0.0) {
-            snprintf(buf, sizeof(buf), "; uniform routing would upload %.0f MiB of experts per token (less under any skew) "
-                    "against %.0f MiB computed on the CPU with whole layers in the same room", mib((int64_t) plan.bytes_per_token_cache),
-                    mib((int64_t) plan.bytes_per_token_layers));
+        if (plan.bytes_per_token >= 0.0) {
+            snprintf(buf, sizeof(buf), "; under uniform routing %.0f MiB of experts per token would come from host memory "
+                    "(uploaded misses; whole layers in the same room would leave about as many to the CPU), less under any skew",
+                    plan.bytes_per_token / MiB);
             s += buf;
         }
     }

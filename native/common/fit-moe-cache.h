@@ -13,10 +13,15 @@
 //     where a host layer computes on the CPU (measured on the H200: results/moe-cache-fit.md);
 //   - what N leaves of the room goes to whole layers, placed by --fit as without a cache (its target raised by the
 //     cache and the staging);
-//   - a device whose room cannot give n_expert_used slots to each of its host layers gets no cache, and then no
-//     device does: --fit places layers as without a cache and every cache is capped at 0, so no cache made later can
-//     take a device below its target.
-// The decision and its reason are one log line each (describe()).
+//   - a device whose room, or the budget, cannot give n_expert_used slots to each of its host layers gets no cache,
+//     and then no device does: --fit places layers as without a cache and every cache is capped at 0;
+//   - with several devices that together hold every weight (none alone holds its default share), nothing is
+//     planned: --fit's layer placement puts every expert on a device.
+// Each device's cache is capped at the room planned for it (llama-moe.h: the first cache made on the device takes
+// the cap with no margin of its own; caches made later on it keep the cache's own 512 MiB margin too). --fit paths
+// that never reach the plan (a model that fits, -ngl/-ot/-cmoe given, --fit off) set no cap: there the cache is
+// sized as without --fit (free memory less 512 MiB), not to the --fit target.
+// The decision and its reason are one log line (describe()).
 #pragma once
 
 #include <cstdint>
@@ -48,15 +53,17 @@ struct fit_moe_cache_plan {
     std::vector<int64_t> cap;     // per device: the most bytes its cache may take (-1: no cap)
     std::vector<int64_t> reserve; // per device: bytes to add to the target before --fit places layers
     std::string          reason;  // why, for the log
-    // estimated expert bytes per decoded token that do not come from device memory, under uniform routing: uploaded
-    // cache misses with this plan, computed on the CPU had the same room gone to whole layers (-1: not estimated)
-    double bytes_per_token_cache  = -1.0;
-    double bytes_per_token_layers = -1.0;
+    // expert bytes per decoded token that do not come from device memory under uniform routing, where this plan
+    // keeps experts resident: uploaded cache misses (whole layers in the same room leave about as many to the CPU;
+    // any skew lowers the cache's); -1: not estimated
+    double bytes_per_token = -1.0;
 };
 
 // budget: the cache asked for, bytes per device (<= 0: none). share: n_expert_used / n_expert of the host layers (for
-// the uniform estimates; 0 skips them).
-fit_moe_cache_plan fit_moe_cache_decide(const std::vector<fit_moe_cache_device> & devs, int64_t budget, double share);
+// the uniform estimate; 0 skips it). layers_fit_all: the model with every weight on the devices fits their free
+// memory less their targets in total (--fit's layer placement then holds every expert).
+fit_moe_cache_plan fit_moe_cache_decide(const std::vector<fit_moe_cache_device> & devs, int64_t budget, double share,
+        bool layers_fit_all = false);
 
 // the plan in one line: "every MoE layer's experts on the host; expert cache CUDA0 8123 MiB (...)"
 std::string fit_moe_cache_describe(const fit_moe_cache_plan & plan, const std::vector<fit_moe_cache_device> & devs);

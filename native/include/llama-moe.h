@@ -157,8 +157,10 @@ LLAMA_MOE_API const char * llama_moe_default_get_moe_cache_profile(void);
 // the prefetch staging and the target) to the cache first, up to the budget, and what is left to whole layers; where a
 // device's room cannot hold n_expert_used slots in each of its host layers it places layers as without a cache. It
 // caps each device's cache at the room it planned, by the device's ggml name ("CUDA0", "SIM1"): a cache made later
-// takes min(budget, cap) there, none at a cap of 0. >= 0 sets a cap, -1 removes it; setting the process budget
-// (llama_moe_default_set_moe_cache_mib) removes every cap. The getter returns the cap in effect, -1 for none.
+// takes min(budget, cap) there, none at a cap of 0; the first cache made on the device takes the cap with no margin
+// of its own (--fit measured the compute buffers, the staging and the target), later ones (other contexts) also keep
+// the cache's 512 MiB margin. >= 0 sets a cap, -1 removes it (device NULL and -1: every cap); setting the process
+// budget (llama_moe_default_set_moe_cache_mib) removes every cap. The getter returns the cap in effect, -1 for none.
 LLAMA_MOE_API void    llama_moe_default_set_moe_cache_device_cap_mib(const char * device, int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_default_get_moe_cache_device_cap_mib(const char * device);
 

@@ -442,7 +442,8 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
         }
         size_t budget = (size_t) budget_mib * 1024 * 1024;
         // --fit's share of this device for the cache (fit-moe-cache.h): the memory it measured to be left to it
-        const int64_t cap_mib = llama_moe_cache_device_cap_mib(ggml_backend_dev_name(dev));
+        bool cap_first = false;
+        const int64_t cap_mib = llama_moe_cache_take_device_cap_mib(ggml_backend_dev_name(dev), &cap_first);
         if (cap_mib == 0) {
             LLAMA_LOG_INFO("llama_moe: no expert cache on %s: --fit left it no room\n", ggml_backend_dev_name(dev));
             continue;
@@ -454,8 +455,9 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
         }
         size_t free_mem = 0, total_mem = 0;
         ggml_backend_dev_memory(dev, &free_mem, &total_mem);
-        // a cap from --fit was measured with the compute buffers, the staging and the target margin left out of it
-        const size_t margin = cap_mib > 0 ? 0 : CACHE_FREE_MARGIN;
+        // the first cache under a cap from --fit takes the room measured for it, with the compute buffers, the staging
+        // and the target left out already; a later cache on the device (another context) keeps the margin as well
+        const size_t margin = cap_mib > 0 && cap_first ? 0 : CACHE_FREE_MARGIN;
         if (free_mem > 0 && budget + margin > free_mem) {
             const size_t cap = free_mem > margin ? free_mem - margin : 0;
             LLAMA_LOG_WARN("llama_moe: expert cache on %s shrunk from %.2f MiB to %.2f MiB: %.2f MiB free, less a %.0f MiB margin\n",

@@ -18,8 +18,9 @@ int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi);
 int64_t llama_moe_cache_context_mib();
 
 // the cap --fit set on the expert cache of device dev (ggml name) in MiB, or -1: none (llama-moe.h,
-// llama_moe_default_set_moe_cache_device_cap_mib)
-int64_t llama_moe_cache_device_cap_mib(const char * dev);
+// llama_moe_default_set_moe_cache_device_cap_mib); *first: no cache made on dev took it before (the room --fit planned
+// is for one cache), and from now on one has
+int64_t llama_moe_cache_take_device_cap_mib(const char * dev, bool * first);
 
 // whether a new cache seeds at a prompt's end: process default (llama-moe.h setter or --moe-cache-seed), else
 // LLAMA_MOE_CACHE_SEED, else on

@@ -211,7 +211,13 @@ static std::mutex g_cache_mutex;
 static int64_t g_cache_mib  = -1; // -1: unset
 static int32_t g_cache_seed = -1; // -1: unset
 static std::string g_cache_profile; // empty: unset
-static std::map<std::string, int64_t> g_cache_device_cap; // device name -> MiB, set by --fit
+// device name -> the cap --fit set, and whether a cache made on the device took it already (the room --fit planned is
+// for one cache: later ones keep the cache's own margin)
+struct cache_device_cap {
+    int64_t mib   = -1;
+    bool    taken = false;
+};
+static std::map<std::string, cache_device_cap> g_cache_device_cap;
 
 int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi) {
     const char * env = getenv(name);
@@ -304,28 +310,42 @@ void llama_moe_default_set_moe_cache_mib(int64_t mib) {
 }
 
 void llama_moe_default_set_moe_cache_device_cap_mib(const char * device, int64_t mib) {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
     if (device == nullptr) {
+        if (mib < 0) {
+            g_cache_device_cap.clear();
+        }
         return;
     }
-    std::lock_guard<std::mutex> lock(g_cache_mutex);
     if (mib >= 0) {
-        g_cache_device_cap[device] = mib;
+        g_cache_device_cap[device] = { mib, false };
     } else {
         g_cache_device_cap.erase(device);
     }
 }
 
 int64_t llama_moe_default_get_moe_cache_device_cap_mib(const char * device) {
-    return llama_moe_cache_device_cap_mib(device);
+    if (device == nullptr) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    auto it = g_cache_device_cap.find(device);
+    return it == g_cache_device_cap.end() ? -1 : it->second.mib;
 }
 
-int64_t llama_moe_cache_device_cap_mib(const char * dev) {
+int64_t llama_moe_cache_take_device_cap_mib(const char * dev, bool * first) {
+    *first = false;
     if (dev == nullptr) {
         return -1;
     }
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     auto it = g_cache_device_cap.find(dev);
-    return it == g_cache_device_cap.end() ? -1 : it->second;
+    if (it == g_cache_device_cap.end()) {
+        return -1;
+    }
+    *first = !it->second.taken;
+    it->second.taken = true;
+    return it->second.mib;
 }
 
 int64_t llama_moe_default_get_moe_cache_mib(void) {

@@ -101,6 +101,8 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
         n_gen = int(req.get("generate", 0))
         cp = _context_params(L, req, len(tokens) + n_gen)
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        if req.get("moe_cache_caps"):
+            _set_cache_caps(lib_dir, req["moe_cache_caps"])
         ctxs = [L.llama_init_from_model(model, cp) for _ in range(n_ctx_wanted)]
         try:
             if not all(ctxs):
@@ -223,6 +225,16 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
             ptr = L.llama_get_logits(ctx)
             rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, n_vocab)).copy())
     return np.concatenate(rows, axis=0)
+
+
+def _set_cache_caps(lib_dir: Path, caps: dict) -> None:
+    """Caps on the expert cache per device name, as --fit sets them before a context is made."""
+    from pyllama_moe.ffi import _ffi
+
+    ffi, _ = _ffi()
+    lib = ffi.dlopen(str(lib_dir / "libllama.so"))
+    for device, mib in caps.items():
+        lib.llama_moe_default_set_moe_cache_device_cap_mib(device.encode(), int(mib))
 
 
 class _MoeApi:

@@ -56,8 +56,8 @@ static bool all_host() {
     const std::string s = fit_moe_cache_describe(p, devs);
     CHECK(s.find("every MoE layer's experts on the host") != std::string::npos && s.find("CUDA0 9632 MiB of cache") != std::string::npos,
             "log: %s", s.c_str());
-    // uniform routing: the same room as layers saves the same share, less the staging the cache keeps
-    CHECK(p.bytes_per_token_cache > p.bytes_per_token_layers && p.bytes_per_token_layers > 0, "estimates");
+    // uniform routing: 8/128 of the experts the room does not hold (16000 - 9632 MiB)
+    CHECK(p.bytes_per_token > 397 * MiB && p.bytes_per_token < 399 * MiB, "estimate %.1f MiB", p.bytes_per_token / MiB);
     return within_target(p, devs);
 }
 
@@ -80,6 +80,39 @@ static bool too_small() {
     const std::string s = fit_moe_cache_describe(p, devs);
     CHECK(s.find("CUDA0 has 344 MiB of room") != std::string::npos && s.find("below the 1000 MiB") != std::string::npos,
             "log: %s", s.c_str());
+    return true;
+}
+
+// a room that holds the least cache in bytes but not in whole MiB: a cap is set in MiB, and a cap floored below the
+// least cache would make no cache at all with every expert on the host (the cold read's planted case)
+static bool room_within_a_mib_of_the_least() {
+    fit_moe_cache_device d = dev("CUDA0", 12288, 1200);
+    d.min_bytes = room(d) - MiB / 2; // the room's bytes hold it
+    d.free += MiB / 2;               // ... with half a MiB to spare, so its whole MiB do not
+    std::vector<fit_moe_cache_device> devs = { d };
+    fit_moe_cache_plan p = fit_moe_cache_decide(devs, 200000 * MiB, 8.0 / 128);
+    CHECK(p.kind == FIT_MOE_CACHE_LAYERS || p.cap[0] >= d.min_bytes, "kind %d: a cap of %lld bytes under the least %lld",
+            p.kind, (long long) p.cap[0], (long long) d.min_bytes);
+    CHECK(p.cap[0] % MiB == 0, "a cap in whole MiB");
+    return true;
+}
+
+// a budget below the least cache of the host layers: no cache can be made, so no memory is kept for one (the cold
+// read's planted case: a 3 MiB budget reserved its room and the runtime then made no cache)
+static bool budget_below_the_least() {
+    std::vector<fit_moe_cache_device> devs = { dev("CUDA0", 12288, 1200) };
+    fit_moe_cache_plan p = fit_moe_cache_decide(devs, 300 * MiB, 8.0 / 128);
+    CHECK(p.kind == FIT_MOE_CACHE_LAYERS && p.cap[0] == 0 && p.reserve[0] == 0, "kind %d cap %lld reserve %lld", p.kind,
+            (long long) p.cap[0], (long long) p.reserve[0]);
+    CHECK(p.reason.find("budget of 300 MiB is below") != std::string::npos, "reason: %s", p.reason.c_str());
+    return true;
+}
+
+// several devices that hold every weight together: nothing planned, no cap (--fit's layers hold every expert)
+static bool layers_fit_all() {
+    std::vector<fit_moe_cache_device> devs = { dev("CUDA0", 12288, 1200, 432, 24), dev("CUDA1", 12288, 1200, 432, 24) };
+    fit_moe_cache_plan p = fit_moe_cache_decide(devs, 200000 * MiB, 8.0 / 128, true);
+    CHECK(p.kind == FIT_MOE_CACHE_NONE && p.cap[0] == -1 && p.cap[1] == -1, "kind %d", p.kind);
     return true;
 }
 
@@ -152,6 +185,9 @@ int main(int argc, char ** argv) {
         { "two-devices-unequal",   two_devices_unequal },
         { "two-devices-one-short", two_devices_one_short },
         { "device-without-layers", device_without_layers },
+        { "room-within-a-mib",     room_within_a_mib_of_the_least },
+        { "budget-below-least",    budget_below_the_least },
+        { "layers-fit-all",        layers_fit_all },
     };
     const char * want = argc > 1 ? argv[1] : "all";
     int n_run = 0, n_fail = 0;
