@@ -48,7 +48,7 @@ class RunSpec:
     lookup_callback: dict | None = None
     contexts: int = 1  # > 1: that many contexts on the model decode at once (RunResult.contexts; mode_logits.py)
     # expert cache caps per device name in MiB, as --fit sets them (llama_moe_default_set_moe_cache_device_cap_mib),
-    # set before the contexts are made (patched builds, contexts > 1)
+    # set before the context(s) are made (patched builds)
     moe_cache_caps: dict[str, int] | None = None
 
 

@@ -21,6 +21,22 @@ start_builds() { # both builds at once, -j 8 each, detached; each writes /tmp/pl
     done
 }
 
+build_patched_with_skew_model() { # the patched CUDA build alone (-j 16, in this call) while the skew 0.5 model is
+    # written; 0 when both are there (wait_builds with BUILD_VARIANTS=patched then finds the build)
+    mkdir -p "$PYLLAMA_MOE_HOME"
+    skew_model > /dev/null 2> "$OUT/skew-model.log" &
+    local skew_pid=$!
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    rm -f /tmp/plm-patched.rc
+    python3 -m pyllama_moe build --backend cuda --variant patched --archive $A/llama.cpp-patched.tar.gz -j 16 \
+        > /tmp/plm-build-patched.log 2>&1
+    echo $? > /tmp/plm-patched.rc
+    cp /tmp/plm-build-patched.log "$OUT/build-patched.log"
+    [ "$(cat /tmp/plm-patched.rc)" = 0 ] || { echo "build failed"; tail -30 /tmp/plm-build-patched.log; return 1; }
+    echo "== build done ($((SECONDS - T0)) s)"
+    wait $skew_pid || { echo "the skew 0.5 model was not written"; cat "$OUT/skew-model.log"; return 1; }
+}
+
 make_bench_model() { # the 30B-shaped Q4_0 model (17 GB), unless it is there; non-zero when the writer failed
     # the builds create $PYLLAMA_MOE_HOME in the background; synth refuses an output folder that does not exist yet
     mkdir -p "$PYLLAMA_MOE_HOME"
@@ -62,7 +78,8 @@ print(m, ensure_corpus(m))')
 }
 
 wait_builds() { # $1: seconds since the script started to wait at most; 0 when both builds finished and succeeded
-    for v in master patched; do
+    # (BUILD_VARIANTS=patched: only that one, where a script builds nothing else)
+    for v in ${BUILD_VARIANTS:-master patched}; do
         while [ ! -f /tmp/plm-$v.rc ]; do
             [ $((SECONDS - T0)) -ge "$1" ] && { echo "build $v still running after $((SECONDS - T0)) s"; return 2; }
             sleep 5

@@ -46,18 +46,7 @@ follow)
     follow_pipeline "$0" /tmp/plm-fit 60
     ;;
 all)
-    mkdir -p "$PYLLAMA_MOE_HOME"
-    skew_model > /dev/null 2> "$OUT/skew-model.log" &
-    skew_pid=$!
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    rm -f /tmp/plm-patched.rc
-    python3 -m pyllama_moe build --backend cuda --variant patched --archive $A/llama.cpp-patched.tar.gz -j 16 \
-        > /tmp/plm-build-patched.log 2>&1
-    echo $? > /tmp/plm-patched.rc
-    cp /tmp/plm-build-patched.log "$OUT/build-patched.log"
-    [ "$(cat /tmp/plm-patched.rc)" = 0 ] || { echo "build failed"; tail -30 /tmp/plm-build-patched.log; exit 1; }
-    echo "== build done ($((SECONDS - T0)) s)"
-    wait $skew_pid || { echo "the skew 0.5 model was not written"; cat "$OUT/skew-model.log"; exit 1; }
+    build_patched_with_skew_model || exit 1
     for s in ${STEPS:-identity bench}; do
         echo "== $s ($((SECONDS - T0)) s)"
         bash "$0" "$s"

@@ -460,7 +460,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
         const size_t margin = cap_mib > 0 && cap_first ? 0 : CACHE_FREE_MARGIN;
         if (free_mem > 0 && budget + margin > free_mem) {
             const size_t cap = free_mem > margin ? free_mem - margin : 0;
-            LLAMA_LOG_WARN("llama_moe: expert cache on %s shrunk from %.2f MiB to %.2f MiB: %.2f MiB free, less a %.0f MiB margin\n",
+            LLAMA_LOG_WARN("llama_moe: expert cache on %s shrunk from %.0f MiB to %.2f MiB: %.2f MiB free, less a %.0f MiB margin\n",
                     ggml_backend_dev_name(dev), mib(budget), mib(cap), mib(free_mem), mib(margin));
             budget = cap;
         }

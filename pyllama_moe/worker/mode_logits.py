@@ -3,9 +3,9 @@
 Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
 "prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
-"warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch), "contexts" (N > 1:
-N contexts on the one model decode the prompt and the generation at the same time, one thread each; see
-_parallel_contexts). Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats",
+"warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch),
+"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "contexts" (N > 1: N contexts
+on the one model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts). Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats",
 "lookup_callback", "contexts".
 """
 
@@ -43,6 +43,8 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         elif watch:
             keep_cb = cp.cb_eval = watch.callback
             cp.cb_eval_user_data = None
+        if req.get("moe_cache_caps"):
+            _set_cache_caps(lib_dir, req["moe_cache_caps"])
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")

@@ -1235,12 +1235,32 @@ static void seed_by_routing() {
 // after a prompt: the 30B-A3B shape (128 experts, top-8, skew 0.5) with 64 slots, 8 prompt ubatches of 512 staged
 // ahead of the router, then 16 decode tokens, 96 more, and 16 steady ones; the mean hit rates over 40 draws
 static int first_tokens_sim() {
-    for (const bool seeded : { false, true }) {
+    // a profile: the experts ranked by the routings of 2000 tokens of another draw of the same router (the popularity a
+    // saved profile holds), preloaded before the prompt as a new cache does
+    const struct { bool seeded, profile; const char * name; } settings[] = {
+        { false, false, "not seeded" }, { true, false, "seeded" }, { false, true, "profile" }, { true, true, "profile+seeded" } };
+    for (const auto & setting : settings) {
+        const bool seeded = setting.seeded;
         double first = 0, steady = 0;
         const int n_draws = 40;
         for (int draw = 0; draw < n_draws; draw++) {
             llama_moe_cache c = one_layer(128, 64);
             router r(128, 8, 0.5, 100 + draw);
+            if (setting.profile) {
+                router other = r; // the same experts' popularity, other tokens
+                other.rng.seed(9000 + draw);
+                std::vector<int64_t> count(128, 0);
+                for (int32_t e : other.route(2000)) {
+                    count[e]++;
+                }
+                std::vector<int32_t> ranked(128);
+                for (int32_t e = 0; e < 128; e++) {
+                    ranked[e] = e;
+                }
+                std::stable_sort(ranked.begin(), ranked.end(), [&count](int32_t a, int32_t b) { return count[a] > count[b]; });
+                std::vector<llama_moe_cache_fill> pre;
+                c.preload(0, ranked, pre);
+            }
             llama_moe_cache_prompt_plan p;
             std::vector<int32_t> last;
             for (int ub = 0; ub < 8; ub++) {
@@ -1262,7 +1282,7 @@ static int first_tokens_sim() {
             decode_hit_rate(c, b, r, 96);
             steady += decode_hit_rate(c, b, r, 16) / n_draws;
         }
-        printf("%s: first 16 tokens hit %.3f, steady 16 (after 112) %.3f\n", seeded ? "seeded" : "not seeded", first, steady);
+        printf("%s: first 16 tokens hit %.3f, steady 16 (after 112) %.3f\n", setting.name, first, steady);
     }
     return 0;
 }
