@@ -543,12 +543,14 @@ void llama_moe_cache::seed(int32_t il, const int32_t * ids, int64_t n_tokens, in
             fills.push_back({ e, s });
         }
     }
-    // decode's first evictions should take the set's lowest scores, not whichever slots the hand meets first: the
-    // lower half of the set loses its reference bit (every resident had it set, the kept ones pinned above and the
-    // newcomers by assign). Measured with the planner (`t first-tokens`): the first 16 tokens hit 0.813 instead of
-    // 0.800, and 0.811 instead of 0.767 where a profile filled the slots before the prompt
-    for (size_t i = want.size() / 2; i < want.size(); i++) {
-        l.ref[l.slot_of[want[i]]] = 0;
+    // decode's first evictions should take what the prompt's end used least, not whichever slots the hand meets
+    // first: only the higher-scored half of the set keeps its reference bit; the lower half and any resident outside
+    // the set (a set smaller than the slots: a profile's or an earlier prompt's experts this one did not route) lose
+    // it. Measured with the planner (`t first-tokens`): the first 16 tokens hit 0.813 instead of 0.799, and 0.811
+    // instead of 0.766 where a profile filled the slots before the prompt
+    std::fill(l.ref.begin(), l.ref.end(), 0);
+    for (size_t i = 0; i < (want.size() + 1) / 2; i++) {
+        l.ref[l.slot_of[want[i]]] = 1;
     }
     std::sort(fills.begin(), fills.end(), [](const llama_moe_cache_fill & a, const llama_moe_cache_fill & b) {
         return a.slot < b.slot;

@@ -29,8 +29,8 @@
 // Seeding (seed): the last large ubatch of a prompt staged every expert of each cached layer, so any of them can be
 // copied into a slot on the device without crossing PCIe again. Its routed tokens are added to the scores (which
 // its prompt_admit halved), and the experts of the highest scores, as many as there are slots,
-// become the resident set: residents in it stay, the others are replaced, free slots first; the lower-scored half of
-// the set loses its reference bit, so decode's first evictions take those. The first decode tokens
+// become the resident set: residents in it stay, the others are replaced, free slots first; only the higher-scored
+// half of the set keeps its reference bit, so decode's first evictions take the rest. The first decode tokens
 // then find what the end of the prompt routed to, where the admits without routing kept the experts that happened
 // to come first.
 //

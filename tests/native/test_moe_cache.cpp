@@ -1133,6 +1133,38 @@ static double decode_hit_rate(llama_moe_cache & c, bank & b, router & r, int n_t
     return double(st.n_hits - h0) / double(st.n_hits - h0 + st.n_misses - m0);
 }
 
+static void seed_ref_bits() {
+    // after a seed only the higher-scored half of the new set keeps its CLOCK reference bit, and residents outside the
+    // set (a profile's experts the prompt did not route) keep none, so decode's first misses evict those first (the
+    // cold read's planted case: 8 experts, 4 slots, a profile's 4 and 5, a prompt routing 0 five times and 1 three
+    // times; the next token's misses must evict 4 and 5, not 1)
+    llama_moe_cache c = one_layer(8, 4);
+    std::vector<llama_moe_cache_fill> fills;
+    CHECK(c.preload(0, { 4, 5 }, fills) == 2, "preload");
+    llama_moe_cache_prompt_plan p;
+    c.prompt_stage(0, nullptr, 0, 1, 1, true, p);
+    c.prompt_admit(0, nullptr, 0, 1, 1, p);
+    const std::vector<int32_t> ids = { 0, 0, 0, 0, 0, 1, 1, 1 };
+    c.seed(0, ids.data(), (int64_t) ids.size(), 1, 1, fills);
+    check_cache(c);
+    const llama_moe_cache_layer & l = *c.layer(0);
+    CHECK(l.slot_of[0] >= 0 && l.slot_of[1] >= 0, "the routed experts are resident");
+    CHECK(l.ref[l.slot_of[0]] == 1 && l.ref[l.slot_of[1]] == 0, "the higher-scored half keeps its bit: %d %d",
+            l.ref[l.slot_of[0]], l.ref[l.slot_of[1]]);
+    for (int32_t e : { 4, 5 }) {
+        CHECK(l.slot_of[e] < 0 || l.ref[l.slot_of[e]] == 0, "expert %d outside the set kept its bit", e);
+    }
+    llama_moe_cache_decode_plan d;
+    const std::vector<int32_t> next = { 2, 3 };
+    CHECK(c.plan_decode(0, next.data(), 1, 2, 2, d), "plan");
+    CHECK(l.slot_of[0] >= 0 && l.slot_of[1] >= 0, "a miss evicted a routed expert before the unrouted 4 and 5");
+    // a one-expert set keeps its bit (the higher half rounds up)
+    llama_moe_cache one = one_layer(8, 4);
+    const std::vector<int32_t> single = { 6, 6 };
+    one.seed(0, single.data(), 2, 1, 1, fills);
+    CHECK(one.layer(0)->ref[one.layer(0)->slot_of[6]] == 1, "a set of one lost its bit");
+}
+
 static void seed_by_routing() {
     // a prompt of 4 ubatches of 512 tokens staged ahead of the router fills 32 of 128 slots with experts 0-31 (the
     // admits without routing); seeding from the last ubatch's routing makes the 32 experts of the highest scores
@@ -1314,6 +1346,7 @@ int main(int argc, char ** argv) {
         { "fill-whole",              fill_whole },
         { "lookup-handover",         lookup_handover },
         { "seed-by-routing",         seed_by_routing },
+        { "seed-ref-bits",           seed_ref_bits },
         { "profile-counts",          profile_counts },
         { "profile-preload",         profile_preload },
     };
