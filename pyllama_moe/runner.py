@@ -50,6 +50,12 @@ class RunSpec:
     # expert cache caps per device name in MiB, as --fit sets them (llama_moe_default_set_moe_cache_device_cap_mib),
     # set before the context(s) are made (patched builds)
     moe_cache_caps: dict[str, int] | None = None
+    # per-context prefetch fields set between the prompt and the generation (patched builds): the next decode
+    # reserves a new scheduler, as llama-server's changes between requests (an adapter, a sampler) do
+    prefetch_after_prompt: dict[str, int] | None = None
+    # the worker's working directory from when its context is made (a relative path given to the cache names its
+    # place at cache creation, not where the process is when the context is freed)
+    chdir_after_context: str | None = None
 
 
 @dataclass
@@ -98,7 +104,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "eval_callback": spec.eval_callback, "stats": spec.stats, "prefetch": spec.prefetch,
                "moe_cache_mib": spec.moe_cache_mib, "op_offload": spec.op_offload,
                "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback, "contexts": spec.contexts,
-               "moe_cache_caps": spec.moe_cache_caps}
+               "moe_cache_caps": spec.moe_cache_caps, "prefetch_after_prompt": spec.prefetch_after_prompt,
+               "chdir_after_context": spec.chdir_after_context}
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None

@@ -4,7 +4,9 @@ Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement kn
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
 "prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
 "warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch),
-"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "contexts" (N > 1: N contexts
+"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "prefetch_after_prompt"
+(prefetch fields set between the prompt and the generation: the next decode reserves), "chdir_after_context" (the
+working directory from when the context is made), "contexts" (N > 1: N contexts
 on the one model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts).
 Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats", "lookup_callback",
 "contexts".
@@ -49,8 +51,10 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
+        if req.get("chdir_after_context"):
+            os.chdir(req["chdir_after_context"])
         moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch") or req.get("moe_cache_mib") is not None
-                                        or watch) else None
+                                        or watch or req.get("prefetch_after_prompt")) else None
         if watch:
             watch.moe = moe
         batch = L.llama_batch_init(n_batch, 0, 1)
@@ -76,6 +80,8 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 logits = np.ascontiguousarray(logits, dtype=np.float32)
                 np.save(req["logits_out"], logits)
                 reply["logits_sha256"] = hashlib.sha256(logits.tobytes()).hexdigest()
+            if req.get("prefetch_after_prompt"):
+                moe.set_prefetch(req["prefetch_after_prompt"])
             generated, digest = _greedy(L, ctx, batch, logits[-1], len(tokens), n_gen, n_batch, n_vocab, watch)
             reply["generated"], reply["decode_logits_sha256"] = generated, digest
             if moe and req.get("stats"):

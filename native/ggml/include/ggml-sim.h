@@ -30,6 +30,10 @@
 //                                  that cannot read page-locked host memory in place
 //   GGML_OP_OFFLOAD_MIN_BATCH=B    the batch size from which ops are offloaded (default 32, as for CUDA)
 //
+// Freed backends: ggml_backend_free of a SIM backend keeps its handle as a tombstone, so a call through a handle
+// kept past its owner's free (a scheduler's copy queue after the scheduler was replaced) aborts naming the mistake
+// instead of reading freed memory.
+//
 // Host map: the registry offers "ggml_backend_host_map" and "ggml_backend_host_unmap" (ggml-host-map.h) as CUDA's
 // does. SIM memory needs no page-locking, so they only count references per base pointer (and fail on request,
 // above), and refuse a range of which a page is not mapped, as cudaHostRegister does; each call writes a host_map / host_unmap line to the op log with the range's "ptr", its "refs" after the

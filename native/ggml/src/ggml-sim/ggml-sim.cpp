@@ -882,6 +882,11 @@ ggml_guid_t sim_guid() {
 
 sim_stream * stream_of(ggml_backend_t backend) {
     GGML_ASSERT(ggml_backend_is_sim(backend));
+    if (backend->context == nullptr) {
+        // sim_backend_free keeps the handle: a caller that kept it past the free lands here, not in freed memory
+        GGML_ABORT("ggml_sim: a call through a freed SIM backend (%p): its owner freed it, the caller kept the handle",
+                (void *) backend);
+    }
     return (sim_stream *) backend->context;
 }
 
@@ -904,7 +909,9 @@ void sim_backend_free(ggml_backend_t backend) {
     st->worker.join();
     ggml_backend_free(st->cpu);
     delete st;
-    delete backend;
+    // the handle stays allocated as a tombstone (a few hundred bytes, never reused): a call through it aborts in
+    // stream_of, where a real GPU backend's freed handle would read freed memory and usually seem to work
+    backend->context = nullptr;
 }
 
 void check_device_buffer(sim_stream * st, const ggml_tensor * tensor) {
