@@ -132,6 +132,18 @@ def cache_counters(lib, ffi, ctx, phase: int, il: int = -1) -> tuple[int, dict[s
     return n_layers, {name: int(getattr(out, name)) for name, _ in ffi.typeof("struct llama_moe_cache_counters").fields}
 
 
+# llama-moe.h's enum llama_moe_cache_path, in order (docs/cache-paths.md)
+CACHE_PATHS = ("in_place", "device", "host_plan", "staging", "host")
+
+
+def cache_path_steps(lib, ffi, ctx, phase: int, il: int = -1) -> dict[str, int]:
+    """`llama_moe_cache_get_path_steps` of a context: the steps of layer il (-1: all cached layers) in phase 0 (prompt)
+    or 1 (decode) per path the layer took, by CACHE_PATHS' names."""
+    steps = ffi.new("uint64_t[]", len(CACHE_PATHS))
+    lib.llama_moe_cache_get_path_steps(ctx, il, phase, steps)
+    return {name: int(steps[i]) for i, name in enumerate(CACHE_PATHS)}
+
+
 def decode_hit_rate(counters: dict[str, int], since: dict[str, int] | None = None) -> float | None:
     """The hit rate of decode counters (cache_counters' dict), or of what they counted after `since` (the same
     counters read earlier): steps read in place count their routed ids as hits; None where nothing was looked up."""

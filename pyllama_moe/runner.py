@@ -56,6 +56,7 @@ class RunSpec:
     # the worker's working directory from when its context is made (a relative path given to the cache names its
     # place at cache creation, not where the process is when the context is freed)
     chdir_after_context: str | None = None
+    n_seq_max: int | None = None  # llama_context_params.n_seq_max (the runs decode sequence 0 alone)
 
 
 @dataclass
@@ -105,7 +106,7 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "moe_cache_mib": spec.moe_cache_mib, "op_offload": spec.op_offload,
                "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback, "contexts": spec.contexts,
                "moe_cache_caps": spec.moe_cache_caps, "prefetch_after_prompt": spec.prefetch_after_prompt,
-               "chdir_after_context": spec.chdir_after_context}
+               "chdir_after_context": spec.chdir_after_context, "n_seq_max": spec.n_seq_max}
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None

@@ -9,6 +9,8 @@ experts a layer. What the profile counts: each decode lookup that planned adds 1
 (so a layer's decode counts sum to its hits + misses), each seeding ubatch its routed tokens."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -284,3 +286,30 @@ def test_two_processes_sharing_a_profile_both_add_their_counts(patched_build, sr
     added = sum(_decode(r)["n_hits"] + _decode(r)["n_misses"] for r in runs)
     assert int(after.decode.sum()) == int(base.decode.sum()) + added
     assert sorted(f.name for f in tmp_path.iterdir()) == ["shared.gguf"]  # no temporary file left
+
+
+def test_a_rewritten_profile_keeps_its_mode_and_a_new_one_follows_the_umask(patched_build, src, model, written, tmp_path):
+    shared = tmp_path / "shared.gguf"
+    shared.write_bytes(written[0].read_bytes())
+    shared.chmod(0o664)  # shared with a group: the rewrite must not turn it private
+    _run(patched_build, src, model, shared, tokens=SHORT, generate=4)
+    assert (shared.stat().st_mode & 0o7777) == 0o664
+    assert profile.read(shared).n_runs == profile.read(written[0]).n_runs + 1
+    old_umask = os.umask(0o027)  # the worker inherits it
+    try:
+        fresh = tmp_path / "fresh.gguf"
+        _run(patched_build, src, model, fresh, tokens=SHORT, generate=4)
+    finally:
+        os.umask(old_umask)
+    assert (fresh.stat().st_mode & 0o7777) == 0o640  # 0644 less the umask, as any file the user makes
+    assert not list(tmp_path.glob("*.tmp.*"))
+
+
+def test_a_relative_profile_path_names_its_place_when_the_cache_is_made(patched_build, src, model, tmp_path, monkeypatch):
+    start, later = tmp_path / "start", tmp_path / "later"
+    start.mkdir()
+    later.mkdir()
+    monkeypatch.chdir(start)  # the worker starts here
+    _run(patched_build, src, model, "rel.gguf", tokens=SHORT, generate=4, chdir_after_context=str(later))
+    assert (start / "rel.gguf").is_file()
+    assert not (later / "rel.gguf").exists()

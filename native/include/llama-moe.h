@@ -143,8 +143,9 @@ LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_seed(void);
 // still replaces them at its end. Counted: each decode lookup that planned adds 1 to each distinct expert it routed
 // (host-side plan and device lookup alike), each seeding ubatch its routed tokens; steps read in place or on the staging
 // path are not counted. When the context's cache is freed, the file's counts plus this context's are written back
-// atomically (FILE.tmp.<pid>, renamed over FILE), where it counted anything; a failed write logs one error and leaves the
-// old file. A file made for another model, of another version, or not a profile (corrupt, truncated, not GGUF) is
+// atomically (a temporary file beside it, renamed over FILE, with the old file's mode; a new file gets 0644 less the
+// umask), where it counted anything; a failed write logs one error and leaves the old file. A relative path names its
+// place when the cache is made, not when it is written. A file made for another model, of another version, or not a profile (corrupt, truncated, not GGUF) is
 // refused with one error line naming it, what is wrong and the fix: the cache is made as without a profile and the
 // file is never overwritten. A missing file is a first run. Residency alone changes: the bytes computed are the same.
 // Process-wide default read when a cache is made: a path sets it, NULL or "" unsets it (then LLAMA_MOE_CACHE_PROFILE,
@@ -200,6 +201,21 @@ struct llama_moe_cache_counters {
 // Returns the number of layers the context caches (0: no cache; *out is zeroed). An il without a cache gives zeros.
 LLAMA_MOE_API int32_t llama_moe_cache_get_counters(const struct llama_context * ctx, int32_t il, int32_t phase,
         struct llama_moe_cache_counters * out);
+
+// The path a cached layer took in a graph computed (docs/cache-paths.md: which batches take which, where they compute
+// and whose bytes they equal). Every graph bound counts one step per cached layer, in the phase of its size.
+enum llama_moe_cache_path {
+    LLAMA_MOE_CACHE_PATH_IN_PLACE  = 0, // every expert resident: the banks read with the router's ids
+    LLAMA_MOE_CACHE_PATH_DEVICE    = 1, // the slots looked up and the misses filled on the device
+    LLAMA_MOE_CACHE_PATH_HOST_PLAN = 2, // the slots planned on the host (the router's ids read back), misses uploaded
+    LLAMA_MOE_CACHE_PATH_STAGING   = 3, // a decode-size graph whose experts may not fit the slots: the host weights
+    LLAMA_MOE_CACHE_PATH_HOST      = 4, // a larger graph, the layer not read in place: the host weights
+    LLAMA_MOE_CACHE_PATH_COUNT     = 5,
+};
+// Steps per path (steps[LLAMA_MOE_CACHE_PATH_COUNT]) of layer il (< 0: all) and phase (0 prompt, 1 decode) since the
+// cache was made; returns the number of layers the context caches (0: steps zeroed).
+LLAMA_MOE_API int32_t llama_moe_cache_get_path_steps(const struct llama_context * ctx, int32_t il, int32_t phase,
+        uint64_t * steps);
 // Bytes of the context's banks, over its devices.
 LLAMA_MOE_API size_t  llama_moe_cache_size(const struct llama_context * ctx);
 

@@ -21,7 +21,9 @@
 #define MOE_PROFILE_PID() _getpid()
 #else
 #include <fcntl.h>
+#include <random>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #endif
 
@@ -257,6 +259,36 @@ static llama_moe_cache_profile_status read_checked(const std::string & path, con
     return status;
 }
 
+#ifndef _WIN32
+// the temporary file that replaces path, with the mode the profile is to have: the old file's (a profile shared
+// between users stays shared; the umask does not narrow it), else 0644 less the umask, as a file the user creates.
+// mkstemp would make it 0600 and the rename would turn a shared profile private. Returns the descriptor, or -1
+static int create_beside(const std::string & path, std::string & tmp) {
+    struct stat old_st;
+    const bool replaces = stat(path.c_str(), &old_st) == 0;
+    std::random_device rd;
+    for (int attempt = 0; attempt < 64; attempt++) {
+        char suffix[32];
+        snprintf(suffix, sizeof(suffix), ".tmp.%08x%08x", (unsigned) rd(), (unsigned) rd());
+        tmp = path + suffix;
+        const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        if (fd < 0 && errno == EEXIST) {
+            continue;
+        }
+        if (fd >= 0 && replaces && fchmod(fd, old_st.st_mode & 07777) != 0) {
+            const int err = errno;
+            close(fd);
+            remove(tmp.c_str());
+            errno = err;
+            return -1;
+        }
+        return fd;
+    }
+    errno = EEXIST;
+    return -1;
+}
+#endif
+
 bool llama_moe_cache_profile_write(const std::string & path, const llama_moe_cache_profile & p, std::string & why) {
     const llama_moe_cache_profile_id & id = p.id;
     const size_t n = (size_t) id.n_layer * id.n_expert;
@@ -289,15 +321,15 @@ bool llama_moe_cache_profile_write(const std::string & path, const llama_moe_cac
         }
         gguf_add_tensor(g, t);
     }
-    // a name of its own (mkstemp: unique across processes, also where two PID namespaces share a directory), its bytes
-    // on the disk before the rename (else a crash could leave an empty file under the name, which later runs refuse),
-    // and a rename that replaces the old file on Windows too
+    // a name of its own (random, created exclusively: unique across processes, also where two PID namespaces share a
+    // directory), its bytes on the disk before the rename (else a crash could leave an empty file under the name,
+    // which later runs refuse), and a rename that replaces the old file on Windows too
 #ifdef _WIN32
     std::string tmp = path + ".tmp." + std::to_string((long long) MOE_PROFILE_PID());
     FILE * f = fopen(tmp.c_str(), "wb");
 #else
-    std::string tmp = path + ".tmp.XXXXXX";
-    const int fd = mkstemp(tmp.data());
+    std::string tmp;
+    const int fd = create_beside(path, tmp);
     FILE * f = fd >= 0 ? fdopen(fd, "wb") : nullptr;
     if (fd >= 0 && f == nullptr) {
         close(fd);

@@ -19,9 +19,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 
@@ -70,6 +72,8 @@ struct rt_layer {
     uint64_t seed_graph = 0;
     std::vector<llama_moe_cache_fill> seed_fills;
     bool seed_issued[LLAMA_MOE_CACHE_N_TENSORS] = {};
+    // the graphs bound, per phase and the path the layer took in each (llama_moe_cache_get_path_steps)
+    uint64_t path_steps[LLAMA_MOE_CACHE_PHASE_COUNT][LLAMA_MOE_CACHE_PATH_COUNT] = {};
     // a graph read the layer in place since the scheduler last synchronized for it (see bind_graph)
     bool in_place_bound = false;
 
@@ -132,17 +136,18 @@ struct llama_moe_cache_rt {
     int64_t debug_bind_sync_us   = 0;
     int64_t debug_bind_upload_us = 0;
     bool graph_looks_up_on_device = false; // the bound graph has device lookups (alone, or beside host-planned layers)
+    std::vector<int8_t> graph_paths; // bind_graph: the path of each layer in the graph, reused
 
     // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int>> host_tensor;
     uint64_t n_graphs = 0;        // graphs bound, so a layer's prompt plan is made once per graph
     // which queue touched the banks last: a decode graph reads and fills them on the compute stream, a prompt's fills
-    // read and admit on the copy queue; the first graph of the other kind waits for that work (once per switch)
+    // read and admit on the copy queue; the first graph of the other kind waits for that work (once per switch).
+    // The wait goes through the scheduler: it owns its copy queues (a reserve frees them with it) and counts what the
+    // cache issues on them (copy_fill, and the seed from the eval callback of the same graph) as its own queued
+    // work until it synchronizes them, so the cache keeps no handle of a queue past the graph that gave it
     bool banks_on_compute = false;
     bool banks_on_queue   = false;
-    // the copy queues that wrote the banks since that wait: synchronized by name as well, so that the wait does not
-    // depend on the scheduler still counting our copies as its own queued work
-    std::vector<ggml_backend_t> bank_queues;
 
     // seeding (llama-moe-cache-rt.h, "Seeding"): whether the cache seeds at all, whether the next graph bound is to
     // seed (llama_moe_cache_seed_ubatch), and whether the bound one does
@@ -368,14 +373,66 @@ static void fill_whole_layers(llama_moe_cache_rt & rt);
 static void load_profile(llama_moe_cache_rt & rt, const llama_model & model);
 static void planner_takes(rt_layer & l);
 static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l);
+static bool layer_in_place(const llama_moe_cache_rt & rt, const rt_layer & l);
 static bool staged_whole(const rt_layer & l, int k);
 static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k);
-static void note_bank_queue(llama_moe_cache_rt & rt, ggml_backend_t queue, bool wrote);
+static void note_banks_on_queue(llama_moe_cache_rt & rt, bool wrote);
 
 static void choose_device_lookup(llama_moe_cache_rt & rt);
 
+// the largest graph (tokens) whose step of layer l reads its banks: every size for a layer read in place (op offload
+// on), else up to decode_max tokens whose experts always fit the slots; larger graphs take the staging path up to
+// decode_max tokens and the host path above (llama_moe_cache_graph_layer_for)
+static int64_t banks_up_to(const llama_moe_cache_rt & rt, const rt_layer & l) {
+    if (layer_in_place(rt, l)) {
+        return INT64_MAX;
+    }
+    return std::min<int64_t>(rt.decode_max, l.n_slots / std::max(1, l.n_used));
+}
+
+// said once when the cache is made: which graph sizes leave the banks in which layers, and what this context's widest
+// decode step (a token of each of its n_seq_max sequences) does (docs/cache-paths.md)
+static void explain_batches(const llama_moe_cache_rt & rt, uint32_t n_seq_max, uint32_t n_ubatch) {
+    // the scheduler offloads an op from this batch on (ggml-cuda and SIM read the same variable, 32 unset)
+    const int64_t offload_env = llama_moe_env_whole("GGML_OP_OFFLOAD_MIN_BATCH", 1, INT32_MAX);
+    const int64_t offload_min = offload_env > 0 ? offload_env : 32;
+    int64_t all_up_to = INT64_MAX, some_up_to = 0;
+    int32_t n_whole = 0;
+    for (const rt_layer & l : rt.layers) {
+        const int64_t up_to = banks_up_to(rt, l);
+        all_up_to = std::min(all_up_to, up_to);
+        if (up_to == INT64_MAX) {
+            n_whole++;
+        } else {
+            some_up_to = std::max(some_up_to, up_to);
+        }
+    }
+    const int32_t n_layers = (int32_t) rt.layers.size();
+    if (all_up_to == INT64_MAX) {
+        LLAMA_LOG_INFO("llama_moe: expert cache: every cached layer holds all its experts: graphs of any size read the "
+                "banks (docs/cache-paths.md)\n");
+        return;
+    }
+    LLAMA_LOG_INFO("llama_moe: expert cache: graphs of up to %" PRId64 " tokens read the banks of every cached layer%s; "
+            "larger ones leave them in the %d layer%s not read in place (fewer slots than tokens x top-k: the staging "
+            "path up to %d tokens, the host path above), which compute their experts on the CPU below %" PRId64
+            " tokens (GGML_OP_OFFLOAD_MIN_BATCH) and upload them from there (docs/cache-paths.md)\n",
+            all_up_to, some_up_to > all_up_to ? (", up to " + std::to_string(some_up_to) + " those of some").c_str() : "",
+            n_layers - n_whole, n_layers - n_whole == 1 ? "" : "s", rt.decode_max, offload_min);
+    const int64_t widest = std::min<int64_t>(n_seq_max, n_ubatch);
+    if (widest > all_up_to) {
+        int32_t n_leave = 0;
+        for (const rt_layer & l : rt.layers) {
+            n_leave += widest > banks_up_to(rt, l);
+        }
+        LLAMA_LOG_WARN("llama_moe: expert cache: this context decodes up to %u sequences at once (n_seq_max): a step of %"
+                PRId64 " tokens leaves the banks in %d of %d cached layers and computes their experts on the %s\n",
+                n_seq_max, widest, n_leave, n_layers, widest < offload_min ? "CPU" : "GPU from uploads of every expert");
+    }
+}
+
 llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends,
-        int64_t budget_mib) {
+        int64_t budget_mib, uint32_t n_seq_max, uint32_t n_ubatch) {
     budget_mib = std::min<int64_t>(budget_mib, (int64_t) 1 << 30); // 1 PiB: no overflow in bytes
     if (budget_mib <= 0) {
         return nullptr;
@@ -545,6 +602,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     choose_device_lookup(*rt);
     fill_whole_layers(*rt);
     load_profile(*rt, model);
+    explain_batches(*rt, n_seq_max, n_ubatch);
     return rt.release();
 }
 
@@ -620,6 +678,13 @@ static void load_profile(llama_moe_cache_rt & rt, const llama_model & model) {
     rt.profile_path = llama_moe_cache_context_profile();
     if (rt.profile_path.empty()) {
         return;
+    }
+    // a relative path names a place once, here: the file written when the cache is freed goes where it was read
+    // from, whatever the working directory is by then
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(rt.profile_path, ec);
+    if (!ec) {
+        rt.profile_path = absolute.lexically_normal().string();
     }
     const int64_t t_start = ggml_time_us();
     rt.profile_id = llama_moe_cache_profile_id_of(model);
@@ -938,15 +1003,14 @@ static void read_back_counters(llama_moe_cache_rt & rt) {
 // LLAMA_MOE_CACHE_DEBUG_CHECK_SEED: every resident slot of the layers the last graph seeded, once the seed's copies
 // are done, against the host expert the planner says it holds, byte for byte (what decode will read); a slot that
 // differs is an error in the log (the first few by name). Runs after the seeds that did not complete were taken
-// back (settle_prompt_admits), before anything plans those layers again.
-static void check_seeds(llama_moe_cache_rt & rt) {
+// back (settle_prompt_admits), before anything plans those layers again. sched: the context's scheduler, whose copy
+// queues ran the seeds (nullptr: the caller synchronized it, or the one that ran them before replacing it)
+static void check_seeds(llama_moe_cache_rt & rt, ggml_backend_sched_t sched) {
     if (rt.seeds_to_check.empty()) {
         return;
     }
-    // the seeds' copy queues are among those that wrote the banks since the last switch to a compute stream (the
-    // check runs at the settle of the graph after the seeding one, before its bind may clear them)
-    for (ggml_backend_t queue : rt.bank_queues) {
-        ggml_backend_synchronize(queue);
+    if (sched != nullptr) {
+        ggml_backend_sched_synchronize(sched);
     }
     uint64_t n_checked = 0, n_differ = 0;
     std::vector<uint8_t> bytes;
@@ -1025,7 +1089,7 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt) {
     for (rt_layer & l : rt->layers) {
         settle_prompt_admits(*rt, l);
     }
-    check_seeds(*rt);
+    check_seeds(*rt, nullptr); // llama_context synchronizes its scheduler before it frees or replaces the cache
     log_summary(*rt);
     write_profile(*rt);
     delete rt;
@@ -1063,7 +1127,7 @@ static bool layer_in_place(const llama_moe_cache_rt & rt, const rt_layer & l) {
     return l.pending.empty() && rt.plan->whole(l.il);
 }
 
-void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
+void llama_moe_cache_settle(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {
     if (rt != nullptr && rt->device_graph_stopped && llama_moe_cache_debug_keep_stopped()) {
         rt->device_graph_stopped = false; // the planted fault: the state keeps slots whose fills may not have run
     }
@@ -1089,7 +1153,7 @@ void llama_moe_cache_settle(llama_moe_cache_rt * rt) {
         for (rt_layer & l : rt->layers) {
             settle_prompt_admits(*rt, l);
         }
-        check_seeds(*rt);
+        check_seeds(*rt, sched);
         // before the next graph is built or reused: a layer the device made whole is read in place from then on
         read_back_states(*rt, nullptr, {}, true);
     }
@@ -1413,7 +1477,7 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
     const int calls = issue_moves(l, queue, weight, ups, true, rt.fill_regions) +
                       issue_moves(l, queue, weight, devs, false, rt.fill_regions);
     prompt_stats(rt, l).n_copy_calls += calls;
-    note_bank_queue(rt, queue, !devs.empty());
+    note_banks_on_queue(rt, !devs.empty());
     // a seed planned before this tensor's staged copy was complete: its copies follow the last piece
     if (l.seed_graph == rt.n_graphs && !l.seed_issued[k] && staged_whole(l, k)) {
         issue_seed(rt, l, k);
@@ -1422,6 +1486,13 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
 
 void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {
     if (rt != nullptr) {
+        // a new scheduler (llama_context::sched_reserve synchronized the old one first, so every copy it ran is
+        // done): the last graph's admits are settled with the old one's staged copies, and nothing of it is kept
+        llama_moe_cache_settle(rt, nullptr);
+        for (rt_layer & l : rt->layers) {
+            std::fill(std::begin(l.staged), std::end(l.staged), nullptr);
+            l.staged_queue = nullptr;
+        }
         ggml_backend_sched_set_copy_callbacks(sched, copy_mode, copy_fill, rt);
     } else {
         ggml_backend_sched_set_copy_callbacks(sched, nullptr, nullptr, nullptr);
@@ -1438,14 +1509,8 @@ static const llama_moe_cache_route * route_at(const llama_moe_cache_rt & rt, con
 }
 
 // a copy queue wrote the banks (wrote: any copy was issued): the next graph that reads them on a compute stream waits
-static void note_bank_queue(llama_moe_cache_rt & rt, ggml_backend_t queue, bool wrote) {
-    if (!wrote) {
-        return;
-    }
-    rt.banks_on_queue = true;
-    if (std::find(rt.bank_queues.begin(), rt.bank_queues.end(), queue) == rt.bank_queues.end()) {
-        rt.bank_queues.push_back(queue);
-    }
+static void note_banks_on_queue(llama_moe_cache_rt & rt, bool wrote) {
+    rt.banks_on_queue = rt.banks_on_queue || wrote;
 }
 
 // the copies of layer l's seed for tensor k, from this graph's complete staged copy into the slots, on the copy
@@ -1462,7 +1527,7 @@ static void issue_seed(llama_moe_cache_rt & rt, rt_layer & l, int k) {
     }
     prompt_stats(rt, l).n_copy_calls += issue_moves(l, l.staged_queue, l.g.host[k], rt.seed_moves, false, rt.fill_regions);
     l.seed_issued[k] = true;
-    note_bank_queue(rt, l.staged_queue, !fills.empty());
+    note_banks_on_queue(rt, !fills.empty());
 }
 
 // a prompt route of a seeding graph, its routing computed: the planner picks the layer's resident set from it, and
@@ -1524,15 +1589,32 @@ static bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
     return rt.user_asked == t && rt.user_wants_it ? user_observes(rt, t) : true;
 }
 
+// one step per cached layer of a graph bound, by the path its routes say the layer takes (none: the host path)
+static void count_paths(llama_moe_cache_rt & rt, const llama_moe_cache_routes & routes, int64_t n_tokens) {
+    rt.graph_paths.assign(rt.layers.size(), LLAMA_MOE_CACHE_PATH_HOST);
+    for (const llama_moe_cache_route & r : routes) {
+        if (r.prompt) {
+            continue; // a routing read for seeding: the layer computes on the host weights
+        }
+        rt.graph_paths[rt.index[r.il]] = r.device ? LLAMA_MOE_CACHE_PATH_DEVICE : r.in_place ? LLAMA_MOE_CACHE_PATH_IN_PLACE :
+                r.banks ? LLAMA_MOE_CACHE_PATH_HOST_PLAN : LLAMA_MOE_CACHE_PATH_STAGING;
+    }
+    const int phase = n_tokens <= rt.decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT;
+    for (size_t i = 0; i < rt.layers.size(); i++) {
+        rt.layers[i].path_steps[phase][rt.graph_paths[i]]++;
+    }
+}
+
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
-        ggml_backend_sched_eval_callback user_cb, void * user_data) {
+        int64_t n_tokens, ggml_backend_sched_eval_callback user_cb, void * user_data) {
     if (rt == nullptr) {
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
         return;
     }
     const int64_t t_waits = ggml_time_us(); // LLAMA_MOE_DEBUG_DECODE_TIMES: the settle's synchronizations are waits too
-    llama_moe_cache_settle(rt);
+    llama_moe_cache_settle(rt, sched);
     rt->n_graphs++;
+    count_paths(*rt, routes, n_tokens);
     bool banks = false;     // the graph reads or fills banks on the compute streams
     bool host_plan = false; // ... and plans some layer on the host (the eval callback)
     bool first_in_place = false;
@@ -1600,11 +1682,7 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     // that issued them waited for them, but that graph may have stopped early (once per layer)
     if ((first_in_place && rt->banks_on_queue) || (banks ? rt->banks_on_queue : rt->banks_on_compute)) {
         const int64_t t_switch = ggml_time_us();
-        ggml_backend_sched_synchronize(sched);
-        for (ggml_backend_t queue : rt->bank_queues) {
-            ggml_backend_synchronize(queue);
-        }
-        rt->bank_queues.clear();
+        ggml_backend_sched_synchronize(sched); // its compute streams and its copy queues
         rt->banks_on_queue   = false;
         rt->banks_on_compute = false;
         rt->debug_bind_sync_us += ggml_time_us() - t_switch;
@@ -1650,6 +1728,20 @@ std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> llama_moe_cache_memor
         }
     }
     return out;
+}
+
+int32_t llama_moe_cache_path_steps_of(const llama_moe_cache_rt * rt, int32_t il, int32_t phase, uint64_t * steps) {
+    if (rt == nullptr || phase < 0 || phase >= LLAMA_MOE_CACHE_PHASE_COUNT) {
+        return rt ? (int32_t) rt->layers.size() : 0;
+    }
+    for (const rt_layer & l : rt->layers) {
+        if (il < 0 || l.il == il) {
+            for (int p = 0; p < LLAMA_MOE_CACHE_PATH_COUNT; p++) {
+                steps[p] += l.path_steps[phase][p];
+            }
+        }
+    }
+    return (int32_t) rt->layers.size();
 }
 
 int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t phase, llama_moe_cache_counters * out) {

@@ -113,8 +113,9 @@ using llama_moe_cache_routes = std::vector<llama_moe_cache_route>;
 struct llama_moe_cache_need;
 llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_backend_dev_t dev);
 
+// n_seq_max, n_ubatch: the context's, for the line that says which of its batches leave the banks
 llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const std::vector<ggml_backend_t> & backends,
-        int64_t budget_mib);
+        int64_t budget_mib, uint32_t n_seq_max, uint32_t n_ubatch);
 
 // the budget the cache was made with (MiB per device), 0 for none
 int64_t llama_moe_cache_budget_mib(const llama_moe_cache_rt * rt);
@@ -156,21 +157,24 @@ void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache
 // single ubatch (n_batch == n_ubatch) seeds each time.
 void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t min_batch_ahead);
 // llama_context::process_ubatch, before the graph reuse check: keeps or takes back the last graph's prompt admits
-// (which needs every copy of that graph issued: only between graphs). Graph builds and binds settle too.
-void llama_moe_cache_settle(llama_moe_cache_rt * rt);
+// (which needs every copy of that graph issued: only between graphs). Graph builds and binds settle too. sched: the
+// context's scheduler, waited for where a check needs the copies it ran done
+void llama_moe_cache_settle(llama_moe_cache_rt * rt, ggml_backend_sched_t sched);
 // the layers read in place now (0 without a cache): a graph built when it was lower would read fewer of them, so it
 // is not reused (the number only grows)
 int32_t llama_moe_cache_n_in_place(const llama_moe_cache_rt * rt);
 
 // the context's scheduler writes the staged copies of the cached layers' expert tensors through the cache when a graph
 // uploads ahead (prompts: residents copied from the banks, the rest uploaded, free slots filled); rt nullptr detaches
-// (before the cache is freed or replaced)
+// (before the cache is freed or replaced). The previous scheduler the cache was attached to, if any, was synchronized
+// (llama_context::sched_reserve): the cache settles the last graph with it and keeps nothing of it
 void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched);
 
 // llama_context::process_ubatch, before the graph computes: the scheduler's eval callback for this graph, the cache's
 // (which calls the user's after it) where the graph has routes, else the user's alone
+// (n_tokens: the graph's ubatch, whose size decides the phase its path steps count in)
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
-        ggml_backend_sched_eval_callback user_cb, void * user_data);
+        int64_t n_tokens, ggml_backend_sched_eval_callback user_cb, void * user_data);
 
 // LLAMA_MOE_DEBUG_DECODE_TIMES: what the last bind spent waiting for earlier work (the handover's read back and the
 // switch between copy queues and compute streams) and uploading slot states, in microseconds (0 without a cache)
@@ -179,6 +183,8 @@ void llama_moe_cache_debug_bind_us(const llama_moe_cache_rt * rt, int64_t * sync
 // llama_moe_cache_get_counters: the stats of layer il (< 0: all) and phase; returns the cached layers. Reads the device
 // lookups' counters back first (a synchronization, where a layer looked up on its device since the last handover)
 int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t phase, struct llama_moe_cache_counters * out);
+// llama_moe_cache_get_path_steps: adds the path steps of layer il (< 0: all) and phase to steps; returns the cached layers
+int32_t llama_moe_cache_path_steps_of(const llama_moe_cache_rt * rt, int32_t il, int32_t phase, uint64_t * steps);
 
 // llama_context::memory_breakdown: the banks' buffers, counted with the context's memory (they live as long as it)
 std::vector<std::pair<ggml_backend_buffer_type_t, size_t>> llama_moe_cache_memory(const llama_moe_cache_rt * rt);

@@ -387,7 +387,8 @@ void llama_moe_set_moe_cache_mib(llama_context * ctx, int64_t mib) {
     for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
         backends.push_back(ggml_backend_sched_get_backend(sched, i));
     }
-    ctx->set_moe_cache(llama_moe_cache_ctx_init(ctx->get_model(), backends, mib));
+    const llama_cparams & cparams = ctx->get_cparams();
+    ctx->set_moe_cache(llama_moe_cache_ctx_init(ctx->get_model(), backends, mib, cparams.n_seq_max, cparams.n_ubatch));
 }
 
 int64_t llama_moe_get_moe_cache_mib(const llama_context * ctx) {
@@ -397,6 +398,11 @@ int64_t llama_moe_get_moe_cache_mib(const llama_context * ctx) {
 int32_t llama_moe_cache_get_counters(const llama_context * ctx, int32_t il, int32_t phase, llama_moe_cache_counters * out) {
     *out = {};
     return llama_moe_cache_counters_of(ctx->get_cparams().moe_cache, il, phase, out);
+}
+
+int32_t llama_moe_cache_get_path_steps(const llama_context * ctx, int32_t il, int32_t phase, uint64_t * steps) {
+    std::fill(steps, steps + LLAMA_MOE_CACHE_PATH_COUNT, 0);
+    return llama_moe_cache_path_steps_of(ctx->get_cparams().moe_cache, il, phase, steps);
 }
 
 size_t llama_moe_cache_size(const llama_context * ctx) {

@@ -4,7 +4,7 @@ Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement kn
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
 "prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
 "warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch),
-"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "prefetch_after_prompt"
+"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "n_seq_max", "prefetch_after_prompt"
 (prefetch fields set between the prompt and the generation: the next decode reserves), "chdir_after_context" (the
 working directory from when the context is made), "contexts" (N > 1: N contexts
 on the one model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts).
@@ -161,10 +161,13 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
 
 
 def _context_params(L, req: dict, n_tokens: int):
-    """The request's context parameters, for n_tokens of prompt and generation: "n_ctx" (default n_tokens + 16),
-    "n_batch", "n_ubatch", "threads", "op_offload"."""
+    """The request's context parameters, for n_tokens of prompt and generation: "n_ctx" (default n_tokens + 16 for
+    each sequence), "n_batch", "n_ubatch", "threads", "op_offload", "n_seq_max" (the sequences the context may hold;
+    the requests decode sequence 0 alone)."""
     cp = L.llama_context_default_params()
-    cp.n_ctx = int(req.get("n_ctx") or (n_tokens + 16))
+    n_seq_max = int(req.get("n_seq_max") or 1)
+    cp.n_seq_max = n_seq_max
+    cp.n_ctx = int(req.get("n_ctx") or (n_tokens + 16) * n_seq_max)
     cp.n_batch = int(req.get("n_batch", 2048))
     cp.n_ubatch = int(req.get("n_ubatch", 512))
     cp.n_threads = cp.n_threads_batch = int(req.get("threads") or min(4, os.cpu_count() or 1))
@@ -286,6 +289,12 @@ class _MoeApi:
             for phase, name in ((0, "cache_prompt"), (1, "cache_decode")):
                 out["cache_layers"], out[name] = cache_counters(self.lib, self.ffi, self.ctx, phase)
             out["cache_bytes"] = int(self.lib.llama_moe_cache_size(self.ctx))
+        if hasattr(self.lib, "llama_moe_cache_get_path_steps"):
+            from pyllama_moe.ffi import cache_path_steps
+
+            # the steps of every cached layer in every graph, by the path each took
+            out["cache_paths"] = {name: cache_path_steps(self.lib, self.ffi, self.ctx, phase)
+                                  for phase, name in ((0, "prompt"), (1, "decode"))}
         return out
 
 

@@ -1,0 +1,69 @@
+"""Which path each cached layer takes, counted per graph (docs/cache-paths.md), on SIM: a graph of one token looks its
+slots up on the device; a decode-size graph whose experts may not fit a layer's slots takes the staging path there;
+a larger graph of a layer not read in place takes the host path. Every graph bound counts one step per cached layer,
+in the phase of its size, and the context says once, when its cache is made, which graph sizes leave the banks. The
+logits are those of the cache off on every path (SIM computes with the CPU's kernels)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pyllama_moe import models, runner
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
+
+SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1"}
+TOKENS = [(i * 7919) % 4000 + 16 for i in range(20)]
+N_GEN = 3  # two decode graphs of one token after the prompt's graph
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+def _run(build, src, model, n_prompt, cache_mib, n_seq_max=None):
+    env = {**SIM_ENV, "LLAMA_MOE_CACHE_MIB": str(cache_mib)}
+    return runner.run(build, src, runner.RunSpec(model=model, tokens=TOKENS[:n_prompt], cpu_moe=True, load_mode="none",
+                                                 repack=False, threads=2, generate=N_GEN, stats=True, env=env,
+                                                 n_seq_max=n_seq_max))
+
+
+def _slots(log):
+    """The fewest slots of a cached layer, its experts, and the cached layers, from the cache's line."""
+    m = re.search(r"expert cache on SIM0: [0-9.]+ MiB, (\d+) MoE layers .*?, (\d+)-\d+ of (\d+) expert slots", log)
+    assert m, log[-3000:]
+    return int(m.group(2)), int(m.group(3)), int(m.group(1))
+
+
+@pytest.mark.parametrize("n_prompt,path", [(20, "host"), (3, "staging")])
+def test_every_graph_counts_a_step_per_cached_layer_by_its_path(patched_build, src, model, n_prompt, path):
+    off = _run(patched_build, src, model, n_prompt, 0)
+    got = _run(patched_build, src, model, n_prompt, 2)
+    assert got.logits_sha256 == off.logits_sha256 and got.decode_logits_sha256 == off.decode_logits_sha256
+    n_slots, n_expert, n_layers = _slots(got.log)
+    assert n_slots < n_expert and n_prompt * 2 > n_slots  # the prompt's graph may not fit: it leaves the banks
+    paths = got.stats["generate"]["cache_paths"]
+    prompt_phase = "prompt" if n_prompt > 8 else "decode"  # graphs above LLAMA_MOE_CACHE_DECODE_MAX count as prompts
+    want_decode = {"in_place": 0, "device": (N_GEN - 1) * n_layers, "host_plan": 0, "staging": 0, "host": 0}
+    want_prompt = {"in_place": 0, "device": 0, "host_plan": 0, "staging": 0, "host": 0}
+    (want_prompt if prompt_phase == "prompt" else want_decode)[path] += n_layers
+    assert paths["decode"] == want_decode
+    assert paths["prompt"] == want_prompt
+    # the decode counters see the same staging steps
+    assert got.stats["generate"]["cache_decode"]["n_overflow"] == want_decode["staging"]
+
+
+def test_the_context_says_once_which_graph_sizes_leave_the_banks(patched_build, src, model):
+    got = _run(patched_build, src, model, 3, 2, n_seq_max=4)
+    n_slots, _, n_layers = _slots(got.log)
+    lines = [ln for ln in got.log.splitlines() if "read the banks of every cached layer" in ln]
+    assert len(lines) == 1, got.log[-3000:]
+    assert "docs/cache-paths.md" in lines[0]
+    # n_seq_max 4: a step of every sequence is a graph of 4 tokens, more experts than the slots hold
+    wide = [ln for ln in got.log.splitlines() if "decodes up to 4 sequences at once" in ln]
+    assert len(wide) == 1 and f"leaves the banks in {n_layers} of {n_layers} cached layers" in wide[0]
+    assert wide[0].rstrip().endswith("on the CPU")
+    one = _run(patched_build, src, model, 3, 2)
+    assert "sequences at once" not in one.log
