@@ -413,11 +413,11 @@ static void explain_batches(const llama_moe_cache_rt & rt, uint32_t n_seq_max, u
                 "banks (docs/cache-paths.md)\n");
         return;
     }
-    LLAMA_LOG_INFO("llama_moe: expert cache: graphs of up to %" PRId64 " tokens read the banks of every cached layer%s; "
+    LLAMA_LOG_INFO("llama_moe: expert cache: graphs of up to %" PRId64 " token%s read the banks of every cached layer%s; "
             "larger ones leave them in the %d layer%s not read in place (fewer slots than tokens x top-k: the staging "
             "path up to %d tokens, the host path above), which compute their experts on the CPU below %" PRId64
             " tokens (GGML_OP_OFFLOAD_MIN_BATCH) and upload them from there (docs/cache-paths.md)\n",
-            all_up_to, some_up_to > all_up_to ? (", up to " + std::to_string(some_up_to) + " those of some").c_str() : "",
+            all_up_to, all_up_to == 1 ? "" : "s", some_up_to > all_up_to ? (", up to " + std::to_string(some_up_to) + " those of some").c_str() : "",
             n_layers - n_whole, n_layers - n_whole == 1 ? "" : "s", rt.decode_max, offload_min);
     const int64_t widest = std::min<int64_t>(n_seq_max, n_ubatch);
     if (widest > all_up_to) {
