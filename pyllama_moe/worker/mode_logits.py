@@ -4,10 +4,10 @@ Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement kn
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
 "prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
 "warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch),
-"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "n_seq_max", "prefetch_after_prompt"
-(prefetch fields set between the prompt and the generation: the next decode reserves), "chdir_after_context" (the
-working directory from when the context is made), "contexts" (N > 1: N contexts
-on the one model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts).
+"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "n_seq_max",
+"prefetch_after_prompt" (prefetch fields set between the prompt and the generation: the next decode reserves),
+"chdir_after_context" (the working directory from when the context is made), "contexts" (N > 1: N contexts on the one
+model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts).
 Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats", "lookup_callback",
 "contexts".
 """
