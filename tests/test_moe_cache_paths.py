@@ -5,6 +5,7 @@ in the phase of its size, and the context says once, when its cache is made, whi
 logits are those of the cache off on every path (SIM computes with the CPU's kernels)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -67,3 +68,32 @@ def test_the_context_says_once_which_graph_sizes_leave_the_banks(patched_build, 
     assert wide[0].rstrip().endswith("on the CPU")
     one = _run(patched_build, src, model, 3, 2)
     assert "sequences at once" not in one.log
+
+
+# one routed expert a token: a graph of up to 8 tokens fits a layer of at least 8 slots, so only the device's
+# mul_mat_id limit can send it to the staging path
+TOP1 = {**load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"], "experts_used": 1}
+
+
+@pytest.mark.parametrize("cc,path", [(None, "device"), (610, "staging")])
+def test_a_graph_above_the_devices_mul_mat_id_limit_takes_the_staging_path(patched_build, src, cc, path):
+    # GGML_SIM_CC=610: SIM reports Pascal's limit of MMVQ for a Q8_0 mul_mat_id, 4 tokens (ggml-cuda/mmvq-mmid.h),
+    # under the 5 of the prompt's graph; above it CUDA's tiled kernels split by the bank's expert count
+    top1 = models.ensure_model("qwen3moe-top1", TOP1)
+    env = {**SIM_ENV, "LLAMA_MOE_CACHE_MIB": "4", **({"GGML_SIM_CC": str(cc)} if cc else {})}
+    spec = runner.RunSpec(model=top1, tokens=TOKENS[:5], cpu_moe=True, load_mode="none", repack=False, threads=2,
+                          generate=N_GEN, stats=True, env=env)
+    got = runner.run(patched_build, src, spec)
+    off = runner.run(patched_build, src, dataclasses.replace(spec, env={**env, "LLAMA_MOE_CACHE_MIB": "0"}))
+    assert got.logits_sha256 == off.logits_sha256 and got.decode_logits_sha256 == off.decode_logits_sha256
+    n_slots, n_expert, n_layers = _slots(got.log)
+    assert 5 <= n_slots < n_expert  # the 5 tokens' experts always fit: the slots are not what sends them away
+    decode = got.stats["generate"]["cache_paths"]["decode"]
+    # the prompt's graph of 5 tokens, then N_GEN - 1 graphs of one token on the device (under every limit)
+    assert decode["device"] == (N_GEN - 1 + (path == "device")) * n_layers
+    assert decode["staging"] == (path == "staging") * n_layers
+    said = [ln for ln in got.log.splitlines() if "read the banks in graphs of up to" in ln]
+    if cc:
+        assert len(said) == 1 and f"{n_layers} cached layers (q8_0 weights on SIM0) read the banks in graphs of up to 4 tokens, not 8" in said[0]
+    else:
+        assert said == []

@@ -186,7 +186,8 @@ struct llama_moe_cache_counters {
     uint64_t n_ubatches;     // layer steps: planned, on the staging path, or read in place
     uint64_t n_hits;         // routed experts found resident
     uint64_t n_misses;       // routed experts uploaded from the host
-    uint64_t n_overflow;     // steps with more distinct experts than slots (the staging path)
+    uint64_t n_overflow;     // steps on the staging path (experts that may not fit the slots, or more tokens than
+                             // the device computes from a bank with the whole weight's bytes: docs/cache-paths.md)
     uint64_t n_fills;        // experts made resident
     uint64_t n_evictions;    // ... of them into a slot that held another expert
     uint64_t bytes_uploaded; // host -> device

@@ -11,6 +11,7 @@
 #include "ggml-alloc.h"
 #include "ggml-copy-regions.h"
 #include "ggml-host-map.h"
+#include "ggml-mmid-batch.h"
 #include "ggml-moe-cache-lookup.h"
 
 #include <algorithm>
@@ -48,6 +49,11 @@ struct rt_layer {
     int32_t n_slots = 0;
     int32_t n_used  = 0; // experts per token in this layer
     int32_t n_expert = 0;
+    // the most tokens whose mul_mat_id on dev reads a bank with the bytes of the whole weight (ggml-mmid-batch.h): a
+    // larger graph takes the staging path here even where its experts fit the slots
+    int32_t vec_max = 8;
+    // the weight type whose limit set vec_max below LLAMA_MOE_CACHE_DECODE_MAX (GGML_TYPE_COUNT: none did)
+    ggml_type vec_type = GGML_TYPE_COUNT;
     // the slot map rows of the last plan; an asynchronous upload reads them after the callback returns, and the next
     // plan of the layer comes after the scheduler synchronized the device again (a later graph)
     std::vector<int32_t> slot_map_host;
@@ -81,6 +87,9 @@ struct rt_layer {
     // up on its device, the slot state there, and where kernels there read each host tensor in place
     bool          device_lookup = false;
     ggml_tensor * state         = nullptr;
+    // this layer's word of its device's status words (rt_status): its lookups count their refusals there
+    int32_t       status_dev    = -1;
+    int32_t       status_index  = -1;
     const void *  host_read[LLAMA_MOE_CACHE_N_TENSORS] = {};
     // which copy of the slot state is newer: the planner's (uploaded before the next device lookup) or the device's
     // (read back before the planner plans the layer again); the same after a handover
@@ -102,6 +111,18 @@ struct fill_move {
     ggml_tensor *       dst;
     size_t              dst_offset;
     size_t              size;
+};
+
+// the device lookups' status words of one device, a word per cached layer there (ggml_moe_cache_lookup's status),
+// in the banks' buffer, and their host copy: read back once after each graph with device lookups, on the stream that
+// computed it, with the step's outputs (llama_moe_cache_graph_ok)
+struct rt_status {
+    ggml_tensor *         words    = nullptr; // I32 [cached layers of the device]
+    ggml_backend_t        backend  = nullptr; // the context's backend of the device
+    ggml_backend_buffer_t host_buf = nullptr; // the device's host buffer type (page-locked on CUDA), where it has one
+    std::vector<int32_t>  host_fallback;
+    int32_t *             host     = nullptr;
+    std::vector<size_t>   layer_of; // word -> index into layers
 };
 
 struct llama_moe_cache_rt {
@@ -136,6 +157,7 @@ struct llama_moe_cache_rt {
     int64_t debug_bind_sync_us   = 0;
     int64_t debug_bind_upload_us = 0;
     bool graph_looks_up_on_device = false; // the bound graph has device lookups (alone, or beside host-planned layers)
+    uint64_t n_device_graphs = 0;          // graphs bound with device lookups, for LLAMA_MOE_CACHE_DEBUG_REFUSE
     std::vector<int8_t> graph_paths; // bind_graph: the path of each layer in the graph, reused
 
     // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
@@ -170,7 +192,12 @@ struct llama_moe_cache_rt {
     llama_moe_cache_profile_id profile_id;
     bool profile_refused = false;
 
+    std::vector<rt_status> statuses;
+
     ~llama_moe_cache_rt() {
+        for (rt_status & s : statuses) {
+            ggml_backend_buffer_free(s.host_buf); // null-safe
+        }
         for (ggml_backend_buffer_t b : bufs) {
             ggml_backend_buffer_free(b);
         }
@@ -219,12 +246,23 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
     if (l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2] != l.n_expert) {
         return "in tensors of another expert count than the model's";
     }
-    // the weights decide; a bias on a device stays there (the graph adds it with the router's ids)
-    for (int k = EXP_N_WEIGHTS; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+    // a per-expert bias gets a bank beside its weight's, so that the matmul and the bias add read the same slots
+    // (CUDA fuses them); one the banks cannot hold would be added with the router's ids next to a matmul reading
+    // slots, which CUDA refuses to fuse: such a layer is not cached (the bias on a device while its weight is on the
+    // host: an -ot rule that moved only the .weight tensors)
+    const bool weights_on_host = l.g.host[LLAMA_MOE_CACHE_DOWN]->buffer != nullptr &&
+            ggml_backend_buffer_is_host(l.g.host[LLAMA_MOE_CACHE_DOWN]->buffer);
+    for (int k = EXP_N_WEIGHTS; k < LLAMA_MOE_CACHE_N_TENSORS && weights_on_host; k++) {
         const ggml_tensor * b = l.g.host[k];
-        if (b != nullptr && (b->buffer == nullptr || !ggml_backend_buffer_is_host(b->buffer) || b->extra != nullptr ||
-                !ggml_is_contiguous(b) || b->ne[1] != l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2])) {
-            l.g.host[k] = nullptr;
+        if (b == nullptr) {
+            continue;
+        }
+        if (b->buffer == nullptr || !ggml_backend_buffer_is_host(b->buffer)) {
+            return "on the host while their biases are on a device (move the biases with them, e.g. -ot "
+                    "'ffn_.*_exps=CPU', not only the .weight tensors)";
+        }
+        if (b->extra != nullptr || !ggml_is_contiguous(b) || b->ne[1] != l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2]) {
+            return "beside biases in a layout the banks do not copy (repacked, not contiguous, or another expert count)";
         }
     }
     for (int k = 0; k < EXP_N_WEIGHTS; k++) {
@@ -313,7 +351,8 @@ llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_bac
 
 // the banks of the layers of one device in one buffer; false (nothing allocated) if it does not fit
 static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & layers, const std::vector<int32_t> & n_slots) {
-    ggml_init_params ip = { ggml_tensor_overhead() * (LLAMA_MOE_CACHE_N_TENSORS + 1) * layers.size() + 1024, nullptr, true };
+    // per layer its banks, slot map and state; the status words
+    ggml_init_params ip = { ggml_tensor_overhead() * ((LLAMA_MOE_CACHE_N_TENSORS + 2) * layers.size() + 1) + 1024, nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     if (ctx == nullptr) {
         return false;
@@ -343,6 +382,18 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         }
         l.n_slots = n_slots[i];
     }
+    rt_status status;
+    for (size_t i = 0; i < layers.size(); i++) {
+        if (n_slots[i] > 0) {
+            layers[i]->status_dev   = (int32_t) rt.statuses.size();
+            layers[i]->status_index = (int32_t) status.layer_of.size();
+            status.layer_of.push_back((size_t) (layers[i] - rt.layers.data()));
+        }
+    }
+    if (!status.layer_of.empty()) {
+        status.words = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) status.layer_of.size());
+        ggml_format_name(status.words, "moe_cache_status-%s", ggml_backend_dev_name(layers[0]->dev));
+    }
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(layers[0]->dev));
     if (buf == nullptr) {
         ggml_free(ctx);
@@ -351,8 +402,20 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
             l->g.slot_map = nullptr;
             l->state      = nullptr;
             l->n_slots = 0;
+            l->status_dev   = -1;
+            l->status_index = -1;
         }
         return false;
+    }
+    if (status.words != nullptr) {
+        status.backend = layers[0]->backend;
+        ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(layers[0]->dev);
+        status.host_buf = host_buft ? ggml_backend_buft_alloc_buffer(host_buft, ggml_nbytes(status.words)) : nullptr;
+        if (status.host_buf == nullptr) {
+            status.host_fallback.assign(status.layer_of.size(), 0); // pageable: the read back then waits for the copy
+        }
+        status.host = status.host_buf ? (int32_t *) ggml_backend_buffer_get_base(status.host_buf) : status.host_fallback.data();
+        rt.statuses.push_back(std::move(status));
     }
     // weights to the scheduler: a matmul reading a bank is assigned to its device, as one reading a device weight
     ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
@@ -387,7 +450,48 @@ static int64_t banks_up_to(const llama_moe_cache_rt & rt, const rt_layer & l) {
     if (layer_in_place(rt, l)) {
         return INT64_MAX;
     }
-    return std::min<int64_t>(rt.decode_max, l.n_slots / std::max(1, l.n_used));
+    return std::min<int64_t>(std::min(rt.decode_max, l.vec_max), l.n_slots / std::max(1, l.n_used));
+}
+
+// the layer's limit from its device's rule for the type of each of its weights (the smallest), at most decode_max
+static void set_vec_max(rt_layer & l, int32_t decode_max) {
+    const auto vec_max_of = (ggml_backend_dev_mul_mat_id_vec_max_batch_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(l.dev), GGML_BACKEND_DEV_MUL_MAT_ID_VEC_MAX_BATCH_PROC);
+    l.vec_max = decode_max;
+    for (int k = 0; k < EXP_N_WEIGHTS && vec_max_of != nullptr; k++) {
+        if (l.g.host[k] != nullptr) {
+            const int32_t n = std::max(1, vec_max_of(l.dev, l.g.host[k]->type));
+            if (n < l.vec_max) {
+                l.vec_max  = n;
+                l.vec_type = l.g.host[k]->type;
+            }
+        }
+    }
+}
+
+// said once when the cache is made: the layers whose device's mul_mat_id changes kernels below decode_max tokens
+// (grouped by device, type and limit: the layers of a model share them)
+static void explain_vec_limits(const llama_moe_cache_rt & rt) {
+    std::vector<bool> said(rt.layers.size(), false);
+    for (size_t i = 0; i < rt.layers.size(); i++) {
+        const rt_layer & l = rt.layers[i];
+        if (said[i] || l.vec_type == GGML_TYPE_COUNT || layer_in_place(rt, l)) {
+            continue;
+        }
+        int32_t n = 0;
+        for (size_t j = i; j < rt.layers.size(); j++) {
+            const rt_layer & o = rt.layers[j];
+            if (!said[j] && o.dev == l.dev && o.vec_type == l.vec_type && o.vec_max == l.vec_max && !layer_in_place(rt, o)) {
+                said[j] = true;
+                n++;
+            }
+        }
+        LLAMA_LOG_INFO("llama_moe: expert cache: %d cached layer%s (%s weights on %s) read%s the banks in graphs of up to %d "
+                "token%s, not %d: above that the device's mul_mat_id for %s takes kernels whose bytes depend on the number "
+                "of experts in the weight, so larger decode graphs take the staging path there (docs/cache-paths.md)\n",
+                n, n == 1 ? "" : "s", ggml_type_name(l.vec_type), ggml_backend_dev_name(l.dev), n == 1 ? "s" : "",
+                l.vec_max, l.vec_max == 1 ? "" : "s", rt.decode_max, ggml_type_name(l.vec_type));
+    }
 }
 
 // said once when the cache is made: which graph sizes leave the banks in which layers, and what this context's widest
@@ -413,12 +517,17 @@ static void explain_batches(const llama_moe_cache_rt & rt, uint32_t n_seq_max, u
                 "banks (docs/cache-paths.md)\n");
         return;
     }
+    char some[64] = "";
+    if (some_up_to > all_up_to) {
+        snprintf(some, sizeof(some), ", up to %" PRId64 " those of some", some_up_to);
+    }
     LLAMA_LOG_INFO("llama_moe: expert cache: graphs of up to %" PRId64 " token%s read the banks of every cached layer%s; "
-            "larger ones leave them in the %d layer%s not read in place (fewer slots than tokens x top-k: the staging "
-            "path up to %d tokens, the host path above), which compute their experts on the CPU below %" PRId64
-            " tokens (GGML_OP_OFFLOAD_MIN_BATCH) and upload them from there (docs/cache-paths.md)\n",
-            all_up_to, all_up_to == 1 ? "" : "s", some_up_to > all_up_to ? (", up to " + std::to_string(some_up_to) + " those of some").c_str() : "",
-            n_layers - n_whole, n_layers - n_whole == 1 ? "" : "s", rt.decode_max, offload_min);
+            "larger ones leave them in the %d layer%s not read in place (fewer slots than tokens x top-k, or more tokens "
+            "than the device's mul_mat_id limit: the staging path up to %d tokens, the host path above), which compute "
+            "their experts on the CPU below %" PRId64 " tokens (GGML_OP_OFFLOAD_MIN_BATCH) and upload them from there "
+            "(docs/cache-paths.md)\n",
+            all_up_to, all_up_to == 1 ? "" : "s", some, n_layers - n_whole, n_layers - n_whole == 1 ? "" : "s",
+            rt.decode_max, offload_min);
     const int64_t widest = std::min<int64_t>(n_seq_max, n_ubatch);
     if (widest > all_up_to) {
         int32_t n_leave = 0;
@@ -428,6 +537,30 @@ static void explain_batches(const llama_moe_cache_rt & rt, uint32_t n_seq_max, u
         LLAMA_LOG_WARN("llama_moe: expert cache: this context decodes up to %u sequences at once (n_seq_max): a step of %"
                 PRId64 " tokens leaves the banks in %d of %d cached layers and computes their experts on the %s\n",
                 n_seq_max, widest, n_leave, n_layers, widest < offload_min ? "CPU" : "GPU from uploads of every expert");
+    }
+}
+
+// said once when the cache is made beside layers it caches: the host layers it leaves out, per reason (their first
+// few indices)
+static void explain_left_out(const std::vector<std::pair<int32_t, const char *>> & left_out) {
+    std::vector<bool> said(left_out.size(), false);
+    for (size_t i = 0; i < left_out.size(); i++) {
+        if (said[i]) {
+            continue;
+        }
+        int32_t n = 0;
+        char ids[96] = "";
+        size_t len = 0;
+        for (size_t j = i; j < left_out.size(); j++) {
+            if (!said[j] && strcmp(left_out[j].second, left_out[i].second) == 0) {
+                said[j] = true;
+                if (n++ < 8 && len < sizeof(ids)) {
+                    len += snprintf(ids + len, sizeof(ids) - len, "%s%d", len ? ", " : "", left_out[j].first);
+                }
+            }
+        }
+        LLAMA_LOG_WARN("llama_moe: expert cache: %d MoE layer%s not cached (%s%s): %s experts are %s\n", n,
+                n == 1 ? "" : "s", ids, n > 8 ? ", ..." : "", n == 1 ? "its" : "their", left_out[i].second);
     }
 }
 
@@ -446,6 +579,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     // the candidate layers, grouped by device
     std::vector<rt_layer> cand;
     std::string why_none;
+    std::vector<std::pair<int32_t, const char *>> left_out; // host layers not cached, and why (said once below)
     for (int32_t il = 0; il < (int32_t) hp.n_layer(); il++) {
         rt_layer l;
         l.il     = il;
@@ -457,9 +591,13 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 l.copy_regions = (ggml_backend_copy_regions_async_t) ggml_backend_reg_get_proc_address(
                         ggml_backend_dev_backend_reg(l.dev), GGML_BACKEND_COPY_REGIONS_PROC);
             }
+            set_vec_max(l, rt->decode_max);
             cand.push_back(l);
-        } else if (strcmp(why, "dense") != 0 && strcmp(why, "on a device") != 0 && why_none.empty()) {
-            why_none = std::string("layer ") + std::to_string(il) + "'s experts are " + why;
+        } else if (strcmp(why, "dense") != 0 && strcmp(why, "on a device") != 0) {
+            if (why_none.empty()) {
+                why_none = std::string("layer ") + std::to_string(il) + "'s experts are " + why;
+            }
+            left_out.push_back({ il, why });
         }
     }
     if (cand.empty()) {
@@ -467,6 +605,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 why_none.empty() ? "no MoE layer has its experts on the host (all are on a device already)" : why_none.c_str());
         return nullptr;
     }
+    explain_left_out(left_out);
 
     std::vector<ggml_backend_dev_t> devs;
     for (const rt_layer & l : cand) {
@@ -602,6 +741,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     choose_device_lookup(*rt);
     fill_whole_layers(*rt);
     load_profile(*rt, model);
+    explain_vec_limits(*rt);
     explain_batches(*rt, n_seq_max, n_ubatch);
     return rt.release();
 }
@@ -844,10 +984,11 @@ static const char * layer_device_unfit(rt_layer & l) {
         l.host_read[k] = first;
     }
     // the ops on the layer's own tensors, as the graph will build them (one token)
-    ggml_init_params ip = { ggml_tensor_overhead() * (2 + LLAMA_MOE_CACHE_N_TENSORS), nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead() * (3 + LLAMA_MOE_CACHE_N_TENSORS), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * ids    = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, l.n_used, 1);
-    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, l.n_expert, l.n_slots);
+    ggml_tensor * status = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1); // the shape of a layer's word (not allocated)
+    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, status, l.n_expert, l.n_slots);
     bool ok = ggml_backend_dev_supports_op(l.dev, lookup);
     for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS && ok; k++) {
         if (l.g.bank[k] != nullptr) {
@@ -1200,8 +1341,9 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
         return nullptr;
     }
     // the plan must never overflow: every expert the tokens may route to fits the slots. A graph that could
-    // overflow takes the staging path (the host weights) for the layer.
-    if (n_tokens * l.n_used > l.n_slots) {
+    // overflow takes the staging path (the host weights) for the layer, and so does one whose mul_mat_id on the
+    // device would take a kernel that splits its work by the bank's expert count (vec_max)
+    if (n_tokens * l.n_used > l.n_slots || n_tokens > l.vec_max) {
         *staging = true;
         return nullptr;
     }
@@ -1214,7 +1356,9 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
     GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
     rt_layer & l = rt->layers[rt->index[il]];
     GGML_ASSERT(l.device_lookup && ids->type == GGML_TYPE_I32 && ids->ne[0] == l.n_used && ids->ne[1] * l.n_used <= l.n_slots);
-    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, l.n_expert, l.n_slots);
+    ggml_tensor * words  = rt->statuses[l.status_dev].words;
+    ggml_tensor * status = ggml_view_1d(ctx, words, 1, (size_t) l.status_index * ggml_element_size(words));
+    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, status, l.n_expert, l.n_slots);
     ggml_format_name(lookup, "moe_cache_lookup-%d", il);
     ggml_build_forward_expand(gf, lookup);
     // every fill before the first matmul: the backend fuses the matmuls that follow one another (gate, up, glu)
@@ -1605,6 +1749,28 @@ static void count_paths(llama_moe_cache_rt & rt, const llama_moe_cache_routes & 
     }
 }
 
+// LLAMA_MOE_CACHE_DEBUG_REFUSE=N (read once; 0 off): the Nth graph bound with device lookups finds the state of
+// the first layer it looks up on the device corrupt, so that lookup is refused (a planted refusal: that decode call
+// must fail, llama_moe_cache_graph_ok)
+static uint64_t debug_refuse_graph() {
+    static const uint64_t n = (uint64_t) std::max<int64_t>(0, llama_moe_env_whole("LLAMA_MOE_CACHE_DEBUG_REFUSE", 0, INT32_MAX));
+    return n;
+}
+
+static void plant_refusal(llama_moe_cache_rt & rt) {
+    static const int32_t bad_n_free = -1; // a count no state can hold: the lookup's check refuses it (-3)
+    for (size_t i = 0; i < rt.layers.size(); i++) {
+        if (rt.device_in_graph[i]) {
+            rt_layer & l = rt.layers[i];
+            // after the state's upload on the same stream (bind_graph), before the graph's lookup
+            ggml_backend_tensor_set_async(l.backend, l.state, &bad_n_free, sizeof(int32_t), sizeof(int32_t));
+            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_CACHE_DEBUG_REFUSE: graph %" PRIu64 " finds layer %d's slot state on %s "
+                    "corrupt (a planted refusal)\n", rt.n_device_graphs, l.il, ggml_backend_dev_name(l.dev));
+            return;
+        }
+    }
+}
+
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
         int64_t n_tokens, ggml_backend_sched_eval_callback user_cb, void * user_data) {
     if (rt == nullptr) {
@@ -1688,6 +1854,9 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
         rt->debug_bind_sync_us += ggml_time_us() - t_switch;
     }
     rt->banks_on_compute = rt->banks_on_compute || banks;
+    if (device && ++rt->n_device_graphs == debug_refuse_graph()) {
+        plant_refusal(*rt);
+    }
     rt->user_cb   = user_cb;
     rt->user_data = user_data;
     rt->graph_looks_up_on_device = device;
@@ -1709,6 +1878,52 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
     } else {
         ggml_backend_sched_set_eval_callback(sched, user_cb, user_data);
     }
+}
+
+bool llama_moe_cache_graph_ok(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {
+    if (rt == nullptr || !rt->graph_looks_up_on_device) {
+        return true;
+    }
+    // behind the graph and the outputs' copies on each device's stream: the one synchronization the caller's read of
+    // the outputs would wait for anyway
+    for (rt_status & s : rt->statuses) {
+        ggml_backend_tensor_get_async(s.backend, s.words, s.host, 0, ggml_nbytes(s.words));
+    }
+    ggml_backend_sched_synchronize(sched);
+    bool ok = true;
+    for (rt_status & s : rt->statuses) {
+        bool refused = false;
+        for (size_t j = 0; j < s.layer_of.size(); j++) {
+            if (s.host[j] == 0) {
+                continue;
+            }
+            rt_layer & l = rt->layers[s.layer_of[j]];
+            LLAMA_LOG_ERROR("llama_moe: expert cache: layer %d's lookup on %s was refused in this step (more experts than "
+                    "slots, an id out of range, or an inconsistent slot state), so the step read wrong slots: the decode "
+                    "call fails; the layer's slots start empty again\n", l.il, ggml_backend_dev_name(l.dev));
+            // the device's state cannot be trusted: the planner's layer starts empty and is uploaded before the next
+            // lookup; the device's counters since the last handover are dropped with it
+            l.state_host.resize(ggml_nelements(l.state));
+            rt->plan->get_state(l.il, l.state_host.data());
+            ggml_moe_cache_state st = ggml_moe_cache_state_flat(l.state_host.data(), l.n_expert, l.n_slots);
+            *st.hand   = 0;
+            *st.n_free = l.n_slots;
+            std::fill(st.slot_of, st.slot_of + l.n_expert, -1);
+            std::fill(st.expert_of, st.expert_of + l.n_slots, -1);
+            std::fill(st.ref, st.ref + l.n_slots, 0);
+            std::string why;
+            const bool emptied = rt->plan->set_state(l.il, l.state_host.data(), why);
+            GGML_ASSERT(emptied && "an empty slot state is consistent");
+            l.state_ahead = rt_layer::STATE_HOST_AHEAD;
+            refused = true;
+        }
+        if (refused) {
+            std::fill(s.host, s.host + s.layer_of.size(), 0);
+            ggml_backend_tensor_set(s.words, s.host, 0, ggml_nbytes(s.words));
+            ok = false;
+        }
+    }
+    return ok;
 }
 
 void llama_moe_cache_debug_bind_us(const llama_moe_cache_rt * rt, int64_t * sync_us, int64_t * upload_us) {

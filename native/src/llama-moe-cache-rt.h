@@ -6,9 +6,10 @@
 // context allocates, on that GPU, one bank per expert tensor ([ne0, ne1, n_slots], the tensor's type; per-expert
 // biases on the host get banks too) and a slot map ([1, n_expert, decode_max] I32).
 //
-// Decode with a host-side plan: a graph of at most decode_max tokens (LLAMA_MOE_CACHE_DECODE_MAX, 1..8, default 8:
-// on Ada and later, CUDA computes them with its matrix-vector kernels, whose bytes do not depend on the number of
-// experts in the weight; older GPUs switch some quantized types to the tiled kernels from 6 tokens) whose tokens' experts always fit the layer's slots (n_tokens x n_expert_used <= n_slots) reads the
+// Decode with a host-side plan: a graph of at most decode_max tokens (LLAMA_MOE_CACHE_DECODE_MAX, 1..8, default 8)
+// and at most the layer's vec_max (the most tokens for which its device's mul_mat_id of its types takes kernels whose
+// bytes do not depend on the weight's expert count, ggml-mmid-batch.h: 8 on Volta, Ada and later, fewer for some
+// types on Turing, Ampere, Pascal and AMD) whose tokens' experts always fit the layer's slots (n_tokens x n_expert_used <= n_slots) reads the
 // layer's experts from the banks: ggml_mul_mat_id(bank, cur, get_rows(slot_map, ids)). The router's ids are read
 // back through the scheduler's eval callback once the routing weights are computed (the end of what CUDA fuses into
 // one kernel), the plan (CLOCK) picks slots, the misses are uploaded from the host tensors into their slots and the
@@ -175,6 +176,12 @@ void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched)
 // (n_tokens: the graph's ubatch, whose size decides the phase its path steps count in)
 void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sched, const llama_moe_cache_routes & routes,
         int64_t n_tokens, ggml_backend_sched_eval_callback user_cb, void * user_data);
+
+// llama_context::decode, after a ubatch's graph computed and its outputs' copies were queued: false where a device
+// lookup of that graph was refused (its slot ids were wrong, so its outputs are), said in an error line per layer;
+// the refused layers' slots start empty again. Reads each device's status words back behind the graph and waits for
+// the scheduler (the synchronization a read of the outputs makes), only after graphs with device lookups
+bool llama_moe_cache_graph_ok(llama_moe_cache_rt * rt, ggml_backend_sched_t sched);
 
 // LLAMA_MOE_DEBUG_DECODE_TIMES: what the last bind spent waiting for earlier work (the handover's read back and the
 // switch between copy queues and compute streams) and uploading slot states, in microseconds (0 without a cache)

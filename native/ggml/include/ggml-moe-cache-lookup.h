@@ -47,6 +47,9 @@ struct ggml_moe_cache_state {
     int32_t * n_free;
     int32_t * counters; // [2 * GGML_MOE_CACHE_N_COUNTERS] or NULL: what ggml_moe_cache_lookup_to_dst counts
     int32_t * uses;     // [n_expert] or NULL: what ggml_moe_cache_lookup_slots counts per expert (saturating)
+    int32_t * status;   // NULL, or a word that a refused ggml_moe_cache_lookup_to_dst adds 1 to (saturating), kept
+                        // apart from the flat state so that the words of many layers can sit side by side and be
+                        // read back in one copy with a step's outputs (a refused step computed from wrong slots)
 };
 
 // what the lookups of a device state count, so that the host learns its hit rate without reading every step back:
@@ -121,6 +124,7 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t 
     st.ref       = flat + 2 + n_expert + n_slots;
     st.counters  = flat + 2 + n_expert + 2 * n_slots;
     st.uses      = st.counters + 2 * GGML_MOE_CACHE_N_COUNTERS;
+    st.status    = 0;
     return st;
 }
 
@@ -335,6 +339,9 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cac
         } else {
             ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_REFUSED, 1);
         }
+    }
+    if (st->status && res < 0) {
+        *st->status += *st->status < 0x7fffffff;
     }
     return res;
 }

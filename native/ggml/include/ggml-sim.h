@@ -29,6 +29,9 @@
 //   GGML_SIM_HOST_NO_MAPPED=1      fault injection: "ggml_backend_host_device_ptr" returns NULL, as for a device
 //                                  that cannot read page-locked host memory in place
 //   GGML_OP_OFFLOAD_MIN_BATCH=B    the batch size from which ops are offloaded (default 32, as for CUDA)
+//   GGML_SIM_CC=C                  "ggml_backend_dev_mul_mat_id_vec_max_batch" (ggml-mmid-batch.h) reports CUDA's
+//                                  limit for compute capability C (e.g. 610, Pascal), as if SIM were that GPU; unset:
+//                                  8 for every type. Only the reported limit changes, not SIM's kernels
 //
 // Freed backends: ggml_backend_free of a SIM backend keeps its handle as a tombstone, so a call through a handle
 // kept past its owner's free (a scheduler's copy queue after the scheduler was replaced) aborts naming the mistake

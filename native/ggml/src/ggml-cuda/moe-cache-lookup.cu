@@ -23,7 +23,7 @@ static size_t moe_cache_lookup_shared_size(int32_t n_expert, int32_t n_slots) {
 }
 
 static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids, int32_t * __restrict__ state,
-        int32_t * __restrict__ dst, const int32_t n_expert, const int32_t n_slots, const int32_t n_used,
+        int32_t * __restrict__ status, int32_t * __restrict__ dst, const int32_t n_expert, const int32_t n_slots, const int32_t n_used,
         const int64_t n_tokens, const int64_t stride) {
     extern __shared__ int32_t smem[];
 
@@ -49,7 +49,8 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
     __syncthreads();
 
     if (threadIdx.x == 0) {
-        const ggml_moe_cache_state   st = ggml_moe_cache_state_flat(s_state, n_expert, n_slots);
+        ggml_moe_cache_state st = ggml_moe_cache_state_flat(s_state, n_expert, n_slots);
+        st.status = status; // global memory: one word that the lookups of several layers add to, in stream order
         const ggml_moe_cache_scratch sc = ggml_moe_cache_scratch_at(s_scratch, n_expert, n_slots);
         ggml_moe_cache_lookup_to_dst(&st, sc, ids, n_tokens, n_used, stride, dst, s_tail);
     }
@@ -64,9 +65,11 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
 }
 
 bool ggml_cuda_moe_cache_lookup_supported(int device, const ggml_tensor * op) {
-    const ggml_tensor * ids   = op->src[0];
-    const ggml_tensor * state = op->src[1];
-    if (ids->type != GGML_TYPE_I32 || state->type != GGML_TYPE_I32 || op->type != GGML_TYPE_I32) {
+    const ggml_tensor * ids    = op->src[0];
+    const ggml_tensor * state  = op->src[1];
+    const ggml_tensor * status = op->src[2];
+    if (ids->type != GGML_TYPE_I32 || state->type != GGML_TYPE_I32 || op->type != GGML_TYPE_I32 ||
+            (status != nullptr && status->type != GGML_TYPE_I32)) {
         return false;
     }
     if (!ggml_is_contiguous(state) || !ggml_is_contiguous(op) || ids->nb[0] != sizeof(int32_t)) {
@@ -94,6 +97,7 @@ void ggml_cuda_op_moe_cache_lookup(ggml_backend_cuda_context & ctx, ggml_tensor 
     GGML_ASSERT(nbytes_shared <= ggml_cuda_info().devices[ggml_cuda_get_device()].smpb);
 
     moe_cache_lookup_kernel<<<1, CUDA_MOE_CACHE_LOOKUP_BLOCK_SIZE, nbytes_shared, ctx.stream()>>>(
-            (const int32_t *) ids->data, (int32_t *) state->data, (int32_t *) dst->data, n_expert, n_slots, n_used,
+            (const int32_t *) ids->data, (int32_t *) state->data,
+            dst->src[2] ? (int32_t *) dst->src[2]->data : nullptr, (int32_t *) dst->data, n_expert, n_slots, n_used,
             n_tokens, ids->nb[1] / (int64_t) sizeof(int32_t));
 }

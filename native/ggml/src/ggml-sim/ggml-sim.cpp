@@ -19,6 +19,8 @@
 #include "ggml-sim.h"
 #include "ggml-host-map.h"
 #include "ggml-copy-regions.h"
+#include "ggml-mmid-batch.h"
+#include "../ggml-cuda/mmvq-mmid.h"
 
 #include "../ggml-backend-impl.h"
 #include "../ggml-impl.h"
@@ -72,6 +74,7 @@ struct sim_config {
     int64_t     host_map_fail_nth  = 0; // 0: none
     bool        host_no_mapped     = false;
     int64_t     offload_min_batch  = 32;
+    int         cuda_cc            = 0; // GGML_SIM_CC: the compute capability whose mul_mat_id rule SIM reports
     std::string oplog_path;
 };
 
@@ -132,6 +135,7 @@ const sim_config & sim_cfg() {
         c.host_map_fail_nth  = (int64_t) env_double("GGML_SIM_HOST_MAP_FAIL_NTH", 0);
         c.host_no_mapped     = env_double("GGML_SIM_HOST_NO_MAPPED", 0) != 0;
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
+        c.cuda_cc            = (int) env_double("GGML_SIM_CC", 0);
         const char * log = getenv("GGML_SIM_OPLOG");
         c.oplog_path         = log ? log : "";
         return c;
@@ -1129,10 +1133,13 @@ ggml_status sim_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgra
             continue;
         }
         task.writes.push_back(range_of(node->data, ggml_nbytes(node)));
-        // the expert cache's lookup updates its slot state, a source, in place: a host read of the state before the
-        // compute is waited for races with it like a read of the node's own output
+        // the expert cache's lookup updates its slot state and its status word, sources, in place: a host read of
+        // either before the compute is waited for races with it like a read of the node's own output
         if (node->op == GGML_OP_MOE_CACHE_LOOKUP && node->src[1]->data) {
             task.writes.push_back(range_of(node->src[1]->data, ggml_nbytes(node->src[1])));
+        }
+        if (node->op == GGML_OP_MOE_CACHE_LOOKUP && node->src[2] && node->src[2]->data) {
+            task.writes.push_back(range_of(node->src[2]->data, ggml_nbytes(node->src[2])));
         }
         for (int j = 0; j < GGML_MAX_SRC; j++) {
             if (node->src[j] && node->src[j]->data) {
@@ -1566,6 +1573,15 @@ void * sim_host_device_ptr(int device, const void * ptr) {
     return (uintptr_t) ptr < it->second ? (void *) ptr : nullptr;
 }
 
+// ggml_backend_dev_mul_mat_id_vec_max_batch (ggml-mmid-batch.h): SIM computes with the CPU's kernels, which do not
+// depend on the expert count, so only GGML_SIM_CC makes it report a CUDA architecture's limit (for the cache's
+// path tests)
+int sim_dev_mul_mat_id_vec_max_batch(ggml_backend_dev_t dev, ggml_type type) {
+    GGML_UNUSED(dev);
+    const int cc = sim_cfg().cuda_cc;
+    return cc > 0 && ggml_is_quantized(type) ? get_mmvq_mmid_max_batch(type, cc) : MMVQ_MAX_BATCH_SIZE;
+}
+
 void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     GGML_UNUSED(reg);
     if (strcmp(name, "ggml_backend_set_n_threads") == 0) {
@@ -1591,6 +1607,9 @@ void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     }
     if (strcmp(name, GGML_BACKEND_COPY_REGIONS_PROC) == 0) {
         return (void *) (ggml_backend_copy_regions_async_t) sim_copy_regions_async;
+    }
+    if (strcmp(name, GGML_BACKEND_DEV_MUL_MAT_ID_VEC_MAX_BATCH_PROC) == 0) {
+        return (void *) (ggml_backend_dev_mul_mat_id_vec_max_batch_t) sim_dev_mul_mat_id_vec_max_batch;
     }
     return nullptr;
 }

@@ -1,0 +1,45 @@
+"""A refused device lookup (more experts than slots, an id out of range, a corrupt slot state) leaves slot ids of 0,
+so its step computes from wrong experts. Refusals depend on the data, so the step itself must fail: each device's
+lookup status words are read back with the step's outputs and a refused step fails its llama_decode call. Planted on
+SIM with LLAMA_MOE_CACHE_DEBUG_REFUSE=N: the Nth graph with device lookups finds its first such layer's slot state
+corrupt. llama-completion stops at the failed call ("failed to eval"); without the plant the same run completes."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from pyllama_moe import models
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
+
+pytestmark = pytest.mark.build
+
+PROMPT = " ".join(f"w{(k * 37) % 97}" for k in range(40))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+def _complete(build, model, **env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_ARG_"))}
+    env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1", LLAMA_MOE_CACHE_MIB="2", **env_extra)
+    return subprocess.run([str(build.bin_dir / "llama-completion"), "-m", str(model), "-ngl", "99", "-cmoe", "-p", PROMPT,
+                           "-n", "8", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v"],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_refused_lookup_fails_the_decode_call_that_computed_it(patched_build, model):
+    clean = _complete(patched_build, model)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert "looked up on the device" in clean.stderr and " 0 looked up on the device" not in clean.stderr
+    planted = _complete(patched_build, model, LLAMA_MOE_CACHE_DEBUG_REFUSE="3")
+    log = planted.stderr
+    assert "LLAMA_MOE_CACHE_DEBUG_REFUSE: graph 3 finds layer" in log, log[-3000:]
+    assert planted.returncode != 0, log[-3000:]
+    refused = [ln for ln in log.splitlines() if "was refused in this step" in ln]
+    assert len(refused) == 1 and "the decode call fails" in refused[0]
+    assert "failed to eval" in log
