@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 12 on the GPU machine: the expert cache (prompts staged through it, decode with a host-side plan) on CUDA. Prepare on the CPU machine as
+# The expert cache on the GPU machine (prompts staged through it, decode with a host-side plan) on CUDA. Prepare on the CPU machine as
 # prefetch.sh says; the steps run after `prefetch.sh build` (or in ci/gpu/open-issues.sh):
 #   identity   compare --subset moe-cache --backend cuda: the cache's CUDA cells (the SIM ones and the stale-slot
 #              control run in CI), every check byte for byte against master with every weight on the GPU; then
-#              compute-sanitizer memcheck over a decode that evicts every token
+#              compute-sanitizer memcheck over a decode that evicts every token, and a planted refused lookup that
+#              must fail its decode call
 #   pp         the prompt path, its three parts in turn:
 #   pp-master  pp4096 at ub 512 with the cache at a quarter of the expert bytes (3900 MiB) against master, -lm none
 #              and mmap
@@ -32,6 +33,12 @@ identity)
         -ngl 99 -cmoe -ub 512 -f /tmp/prompt.txt -n 64 --temp 0 --fit off -no-cnv -v > "$OUT/sanitizer-moe-cache.txt" 2>&1
     echo "compute-sanitizer memcheck (expert cache, 2 MiB): exit $?"
     grep -E "ERROR SUMMARY|llama_moe: expert cache" "$OUT/sanitizer-moe-cache.txt" | head -4
+    # a planted refusal: the third graph with device lookups finds its first cached layer's slot state corrupt; the
+    # decode call that computes it must fail (llama-completion stops with "failed to eval"), not return its logits
+    LLAMA_MOE_CACHE_MIB=2 LLAMA_MOE_CACHE_DEBUG_REFUSE=3 timeout 120 "$P/llama-completion" -m "$SMALL" -ngl 99 -cmoe \
+        -f /tmp/prompt.txt -n 16 --temp 0 --fit off -no-cnv -v > "$OUT/refusal-moe-cache.txt" 2>&1
+    echo "planted refusal (expert cache, 2 MiB): exit $? (a failed decode call exits non-zero)"
+    grep -E "DEBUG_REFUSE|was refused|failed to eval" "$OUT/refusal-moe-cache.txt" | head -3
     ;;
 pp-master|pp-off|pp-32k|pp)
     wait_builds 60 || exit 1
