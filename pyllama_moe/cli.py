@@ -117,10 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _registries():
     """Verbs that live in their own modules register themselves here."""
-    from pyllama_moe import cli_first_tokens, cli_harness, plot, profile
+    from pyllama_moe import cli_first_tokens, cli_harness, plot, profile, server_soak
     from pyllama_moe.synth import cli as synth_cli
 
-    return (cli_harness.register, cli_first_tokens.register, synth_cli.register, plot.register, profile.register)
+    return (cli_harness.register, cli_first_tokens.register, synth_cli.register, plot.register, profile.register,
+            server_soak.register)
 
 
 def main(argv: list[str] | None = None) -> int:

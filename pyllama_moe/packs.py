@@ -29,7 +29,13 @@ PRUNE_PREFIXES = ("models/", "docs/", "tools/ui/", "benches/", "examples/llama.a
                   "examples/llama.swiftui/", ".github/", ".devops/", "media/")
 
 
+# kept below a pruned prefix: llama-server's build adds tools/ui (which embeds no assets where it finds none)
+KEEP_FILES = {"tools/ui/CMakeLists.txt", "tools/ui/ui.h.in", "tools/ui/ui.cpp.in"}
+
+
 def is_pruned(rel: str) -> bool:
+    if rel in KEEP_FILES:
+        return False
     if rel.startswith(PRUNE_PREFIXES):
         return True
     parts = rel.split("/")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama_moe import source
+from pyllama_moe import models, source
 from pyllama_moe.build import resolve
+from pyllama_moe.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +23,15 @@ def master_build(src):
 @pytest.fixture(scope="session")
 def patched_build(src):
     return resolve("patched", "cpu")
+
+
+@pytest.fixture(scope="session")
+def server_build(src):
+    """The patched CPU build of llama-server (not among the default targets: a build of its own)."""
+    return resolve("patched", "cpu", targets=("llama-server",), extra_options=("-DLLAMA_BUILD_SERVER=ON",))
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The matrix's tiny qwen3moe model (Q8_0, 4 layers of 16 experts, top-4)."""
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])

@@ -19,6 +19,8 @@ def test_pack_is_pruned_and_every_sdist_file_keeps_its_sdist_hash(master_archive
     files = manifest["files"]
     assert "ggml/src/ggml-backend.cpp" in files and "ggml/src/ggml-cuda/ggml-cuda.cu" in files
     assert not any(rel.startswith(("models/", "docs/", "ggml/src/ggml-vulkan/")) for rel in files)
+    # of the web UI only what llama-server's build needs
+    assert sorted(rel for rel in files if rel.startswith("tools/ui/")) == sorted(packs.KEEP_FILES)
     assert all(entry["origin"] == "sdist" and entry["sha256"] == src.manifest[rel] for rel, entry in files.items())
     assert "llama_cpp/llama_cpp.py" in manifest["python_files"]
 

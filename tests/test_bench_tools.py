@@ -12,17 +12,10 @@ import subprocess
 import pytest
 from gguf import GGUFReader
 
-from pyllama_moe import bench_limits, models
+from pyllama_moe import bench_limits
 from pyllama_moe.bench_hits import parse_layer_rates
-from pyllama_moe.matrix import load_matrix
-from pyllama_moe.paths import CI_DIR
 
 pytestmark = pytest.mark.build
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
 def _env_without_sim(**extra) -> dict:

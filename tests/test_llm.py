@@ -10,9 +10,6 @@ import sys
 
 import pytest
 
-from pyllama_moe import models
-from pyllama_moe.matrix import load_matrix
-from pyllama_moe.paths import CI_DIR
 
 pytestmark = pytest.mark.build
 
@@ -26,11 +23,6 @@ model = llm.moe_llama(sys.argv[1], n_gpu_layers=99, cpu_moe=True, moe_cache_mib=
 out = model("the", max_tokens=24, temperature=0.0)
 print(json.dumps({"text": out["choices"][0]["text"], "stats": llm.cache_stats(moe, model)}))
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
 def _generate(tiny_model, cache_mib: int) -> dict:

@@ -16,25 +16,11 @@ import urllib.request
 
 import pytest
 
-from pyllama_moe import models
-from pyllama_moe.build import resolve
-from pyllama_moe.matrix import load_matrix
-from pyllama_moe.paths import CI_DIR
 
 pytestmark = pytest.mark.build
 
 PROMPTS = [" ".join(f"w{(i * 37 + k * 11) % 97}" for k in range(24 + 4 * i)) for i in range(4)]
 N_PREDICT = 24
-
-
-@pytest.fixture(scope="module")
-def server_build(src):
-    return resolve("patched", "cpu", targets=("llama-server",), extra_options=("-DLLAMA_BUILD_SERVER=ON",))
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
 class Server:

@@ -13,11 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
 
 from pyllama_moe.errors import UserError
 from pyllama_moe.synth import cli
 from pyllama_moe.synth.corpus import corpus_from_model, generate_corpus, vocab_words
 from pyllama_moe.synth.gguf_read import read_gguf
+from pyllama_moe.synth.lora import write_lora
 from pyllama_moe.synth.probe import run_probe
 from pyllama_moe.synth.quant import TensorSpec, chunk, dequantize
 from pyllama_moe.synth.routes import route_histogram
@@ -263,3 +265,23 @@ def test_cli_routes_json(models, capsys, llama):
                 "--tokens", "64", "--threads", "1") == 0
     table = capsys.readouterr().out
     assert "top10%" in table and ("16/16" in table or "15/16" in table)
+
+
+# --- LoRA adapter (llama.cpp loads it in test_server_soak.py) --------------------------------------------
+
+def test_lora_pairs_match_the_models_weights_and_leave_the_massive_coordinate_alone(tmp_path):
+    model = write_model(tmp_path / "m.gguf", resolve_shape("tiny"), "q8_0", progress=False).path
+    r = write_lora(tmp_path / "lora.gguf", model, rank=4, seed=3)
+    info, base = read_gguf(r.path), read_gguf(model, check_data=False)
+    assert info.kv["general.type"] == "adapter" and info.kv["adapter.type"] == "lora"
+    assert info.arch == "qwen3moe" and info.kv["adapter.lora.alpha"] == 4.0
+    assert r.n_pairs == 8 and len(info.tensors) == 16
+    for name in ("blk.0.attn_q.weight", "blk.3.attn_v.weight"):
+        n_in, n_out = base.tensors[name].shape
+        assert info.tensors[name + ".lora_a"].shape == (n_in, 4)  # ggml order, as llama-adapter.cpp checks
+        assert info.tensors[name + ".lora_b"].shape == (4, n_out)
+    data = {t.name: np.asarray(t.data) for t in GGUFReader(r.path).tensors}
+    a, b = data["blk.0.attn_q.weight.lora_a"], data["blk.0.attn_q.weight.lora_b"]
+    assert a.shape == (4, 256) and not a[:, 0].any() and a[:, 1:].all() and b.all()
+    with pytest.raises(UserError, match="wider than a weight"):
+        write_lora(tmp_path / "wide.gguf", model, rank=4096)

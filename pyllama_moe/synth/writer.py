@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def write_model(path: str | os.PathLike, shape: ModelShape, qtype: str = "q4_0",
 
     total = sum(s.nbytes for s in specs)
     bar = Progress(f"synth {path.name}", total, "B", enabled=progress)
-    try:
+    with replace_when_written(w, tmp, path):
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -92,14 +93,22 @@ def write_model(path: str | os.PathLike, shape: ModelShape, qtype: str = "q4_0",
                 if fout.tell() - start != spec.nbytes:
                     raise AssertionError(f"{spec.name}: wrote {fout.tell() - start} bytes, expected {spec.nbytes}")
                 _pad(fout, align)
+    seconds = bar.finish()
+    return WriteResult(path, path.stat().st_size, len(specs), shape.n_params(), seconds)
+
+
+@contextmanager
+def replace_when_written(w: GGUFWriter, tmp: Path, path: Path):
+    """Closes `w` (writing to `tmp`) and renames `tmp` to `path` when the block ends; on any error the partial
+    file goes instead, so `path` never names a half-written file."""
+    try:
+        yield
         w.close()
         os.replace(tmp, path)
     except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)
         raise
-    seconds = bar.finish()
-    return WriteResult(path, path.stat().st_size, len(specs), shape.n_params(), seconds)
 
 
 def _ordered(pool: ThreadPoolExecutor, spec, seed: int, window: int):
