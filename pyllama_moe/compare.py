@@ -46,6 +46,8 @@ class CellResult:
     checks: list[Check] = field(default_factory=list)
     note: str = ""
     seconds: float = 0.0
+    # a by-path cell: the reference the candidate's decode paths named, and those paths (choose_reference)
+    reference: dict = field(default_factory=dict)
 
 
 def logit_diagnostics(base: np.ndarray, cand: np.ndarray) -> dict:
@@ -69,16 +71,17 @@ def logit_diagnostics(base: np.ndarray, cand: np.ndarray) -> dict:
     }
 
 
-def _perplexity_args(cell: Cell, model: Path, corpus: Path, repack: bool, threads: int, baseline: bool) -> list[str]:
+def _perplexity_args(cell: Cell, model: Path, corpus: Path, repack: bool, threads: int, place: dict) -> list[str]:
     args = ["-m", str(model), "-f", str(corpus), "-c", str(cell.ppl_ctx), "-b", str(cell.ppl_ctx),
             "-ub", str(min(cell.ubatch, cell.ppl_ctx)), "--chunks", "2", "-t", str(threads), "--fit", cell.fit,
             "-lm", cell.load, "--no-warmup"]
-    place = cell.placement(baseline)
     args += ["-ngl", str(place.get("n_gpu_layers", 99))]
     if place.get("cpu_moe"):
         args.append("-cmoe")
     if place.get("n_cpu_moe"):
         args += ["-ncmoe", str(place["n_cpu_moe"])]
+    if place.get("cpu_moe_layers"):
+        args += ["-ot", ot_rule(place["cpu_moe_layers"])]
     if not repack:
         args.append("-nr")
     return args
@@ -131,26 +134,60 @@ class Harness:
             env.update(self.matrix.sim_env, GGML_SIM_DEVICES=str(SIM_DEVICES[cell.backend]))
         common = dict(model=model, prompt=prompt, n_ubatch=cell.ubatch, n_batch=cell_n_batch(cell),
                       load_mode=cell.load, threads=self.threads, generate=cell.generate,
-                      max_prompt_tokens=cell.prompt_tokens, eval_callback=cell.eval_callback)
-        base = runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common,
-                                                               **cell.placement(baseline=True)))
+                      max_prompt_tokens=cell.prompt_tokens, eval_callback=cell.eval_callback, parallel=cell.parallel)
         cand_env = {**env, "GGML_SIM_OPLOG": str(oplog)} if oplog else env
         # mode 1 (the default) prefetches on CUDA-family devices only, mode 2 on sim devices too
         mode = env.get("GGML_SCHED_PREFETCH", "1")
         prefetch_on = cell.candidate == "patched" and (mode == "2" or (mode == "1" and cell.backend == "cuda"))
-        cand = runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env,
-                                                               stats=prefetch_on, **common, **cell.placement()))
+        by_path = cell.baseline_offload == "by-path"
+        cache_on = (cell.candidate == "patched" and cell.backend != "cpu"
+                    and int(env.get("LLAMA_MOE_CACHE_MIB", "0")) > 0)
+        want_paths = cache_on and (by_path or cell.parallel > 1)
+
+        def run_candidate():
+            return runner.run(cand_build, self.src, runner.RunSpec(repack=cell.candidate_repack, env=cand_env,
+                                                                   stats=prefetch_on or want_paths or by_path,
+                                                                   **common, **cell.placement()))
+
+        def run_baseline(place: dict):
+            return runner.run(base_build, self.src, runner.RunSpec(repack=cell.baseline_repack, **common, **place))
+
+        reference = {}
+        if by_path:
+            # the reference is known only once the candidate has said which cached layers left the banks
+            cand = run_candidate()
+            paths = decode_paths(cand.stats)
+            experts, _ = expert_layers(model)
+            try:
+                reference = choose_reference(paths, host_layers(cell, experts), experts)
+            except UserError as exc:
+                if oplog is not None:
+                    shutil.rmtree(oplog.parent, ignore_errors=True)
+                return CellResult(cell, "fail", note=str(exc), seconds=time.monotonic() - started,
+                                  reference={"paths": {str(il): steps for il, steps in sorted(paths.items())}})
+            base_place = reference.pop("placement")
+            base = run_baseline(base_place)
+        else:
+            base_place = cell.placement(baseline=True)
+            base = run_baseline(base_place)
+            cand = run_candidate()
         checks = []
         if cell.candidate == "patched" and cell.backend != "cpu" and cell.load == "mmap" and cell.offload != "all":
             checks.append(pin_check(cand.log, budget_mib=_float_or_none(env.get("LLAMA_MOE_PIN_BUDGET_MIB"))))
         if prefetch_on and cell.backend != "cpu" and cell.offload != "all":
             checks.append(prefetch_check(cell, env, cand.stats, cand.log))
-        if cell.candidate == "patched" and cell.backend != "cpu" and int(env.get("LLAMA_MOE_CACHE_MIB", "0")) > 0:
+        if cache_on:
             prefetch = env.get("GGML_SCHED_PREFETCH", "1")
             ahead = ubatches_ahead(cell, env) if prefetch == "2" or (prefetch == "1" and cell.backend == "cuda") else 0
             # a SIM device without the lookup ops keeps the host-side plan for its group: neither path everywhere
             want_device = None if env.get("GGML_SIM_NO_CACHE_OPS") else env.get("LLAMA_MOE_CACHE_DEVICE", "1") != "0"
-            checks.append(cache_check(cand.log, ahead, want_device=want_device))
+            # parallel steps whose experts may not fit the slots leave the banks in every layer: no decode read them
+            reads = not want_paths or any(steps[p] for steps in decode_paths(cand.stats).values() for p in READ_PATHS)
+            checks.append(cache_check(cand.log, ahead, want_device=want_device, decode_reads=reads))
+        if want_paths:
+            _, k = expert_layers(model)
+            checks.append(paths_check(decode_paths(cand.stats), cand.log, cell.parallel, k, max(cell.generate - 1, 0),
+                                      decode_max=int(env.get("LLAMA_MOE_CACHE_DECODE_MAX", "8"))))
         if oplog is not None:
             used, races = read_sim_oplog(oplog)
             shutil.rmtree(oplog.parent, ignore_errors=True)
@@ -174,27 +211,28 @@ class Harness:
             text_detail.update(first_diff_token=first, base=base.text[:80], candidate=cand.text[:80])
         checks.append(Check("text", same_text, text_detail))
         if base.decode_logits_sha256 and cand.decode_logits_sha256:
-            # the text can be equal while a logit is not: every decode step's logits, byte for byte
+            # the text can be equal while a logit is not: every decode step's logits (every sequence's), byte for byte
             checks.append(Check("decode-logits", base.decode_logits_sha256 == cand.decode_logits_sha256,
                                 {"sha256_base": base.decode_logits_sha256, "sha256_candidate": cand.decode_logits_sha256,
-                                 "steps": max(len(base.generated) - 1, 0)}))
+                                 "steps": max(cell.generate - 1, 0), "sequences": cell.parallel}))
         if cell.perplexity:
-            checks.append(self._perplexity(cell, model, corpus, base_build, cand_build, env))
+            checks.append(self._perplexity(cell, model, corpus, base_build, cand_build, env, base_place))
         if cell.expect == "identical":
             ok = all(c.identical for c in checks)
         else:  # a negative control: what it computed (the logits, or the generated text) must be reported as different
             ok = not all(c.identical for c in checks if c.name in ("logits", "decode-logits", "text", "perplexity"))
-        return CellResult(cell, "pass" if ok else "fail", checks, seconds=time.monotonic() - started)
+        return CellResult(cell, "pass" if ok else "fail", checks, seconds=time.monotonic() - started,
+                          reference=reference)
 
-    def _perplexity(self, cell, model, corpus, base_build, cand_build, env) -> Check:
+    def _perplexity(self, cell, model, corpus, base_build, cand_build, env, base_place) -> Check:
         """Both builds write llama-perplexity's saved log-probs (`--kl-divergence-base`); identical files mean
         identical perplexity inputs. The printed values are kept as information only: the tools' logger is
         asynchronous and leaked at exit, so under load its last lines are sometimes never printed."""
         run_env = dict(os.environ)
         with tempfile.TemporaryDirectory(prefix="pyllama-moe-ppl-") as tmp:
             base_file, cand_file = str(Path(tmp) / "base.kld"), str(Path(tmp) / "candidate.kld")
-            base_args = _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads, True)
-            cand_args = _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads, False)
+            base_args = _perplexity_args(cell, model, corpus, cell.baseline_repack, self.threads, base_place)
+            cand_args = _perplexity_args(cell, model, corpus, cell.candidate_repack, self.threads, cell.placement())
             base_out = _run_perplexity(base_build, base_args + ["--kl-divergence-base", base_file], run_env)
             cand_out = _run_perplexity(cand_build, cand_args + ["--kl-divergence-base", cand_file], {**run_env, **env})
             digests = []
@@ -306,7 +344,7 @@ def filled_whole_layers(log: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None) -> Check:
+def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None, decode_reads: bool = True) -> Check:
     """The expert cache really took its path, by the context's summary at its end (banks made on which devices,
     with how many slots per layer).
 
@@ -321,7 +359,8 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
     nothing.) Only a device with a slot per expert in some layer may read layers in place.
 
     want_device: decode looks its slots up on every device (True: the default where the backend has the lookup ops),
-    or plans on the host there (False: LLAMA_MOE_CACHE_DEVICE=0); None: either."""
+    or plans on the host there (False: LLAMA_MOE_CACHE_DEVICE=0); None: either. decode_reads False: no decode step read
+    the banks (parallel steps whose experts may not fit the slots), so none planned or missed."""
     made = [m.groups() for m in CACHE_MADE.finditer(log)]
     decode = [tuple(map(int, m.groups())) for m in CACHE_DECODE.finditer(log)]
     prompt = [tuple(map(int, m.groups())) for m in CACHE_PROMPT.finditer(log)]
@@ -349,10 +388,130 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
     else:
         prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and \
             (p_reads > 0) == (ubatches_ahead > 1)
-        ok = steps > 0 and misses > 0 and (in_place == 0 or some_whole) and prompt_ok
+        ok = (not decode_reads or (steps > 0 and misses > 0)) and (in_place == 0 or some_whole) and prompt_ok
     if want_device is not None:
         ok = ok and decode_path == ("device" if want_device else "host")
     return Check("cache", bool(made) and ok, detail)
+
+
+# the paths of llama_moe_cache_get_path_steps that read a cached layer's banks, and those that leave them for the host
+# weights (docs/cache-paths.md): the bytes of the first equal all on the GPU's, of the second master --cpu-moe's
+READ_PATHS = ("in_place", "device", "host_plan")
+LEAVE_PATHS = ("staging", "host")
+EXPS_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")
+
+
+def decode_paths(stats: dict | None) -> dict[int, dict[str, int]]:
+    """The generation's steps per cached layer and path, from a run's stats (the worker's "decode_paths")."""
+    return {int(il): steps for il, steps in ((stats or {}).get("decode_paths") or {}).items()}
+
+
+def expert_layers(model: Path) -> tuple[set[int], int]:
+    """The layers of a GGUF with expert tensors (over every shard of a split model), and the experts a token routes
+    to."""
+    from pyllama_moe.synth.gguf_read import read_gguf
+
+    info = read_gguf(model, check_data=False)
+    shards = [model]
+    m = re.match(r"(.*)-(\d{5})-of-(\d{5})\.gguf$", Path(model).name)
+    if m:
+        shards = [Path(model).with_name(f"{m.group(1)}-{i:05d}-of-{m.group(3)}.gguf")
+                  for i in range(1, int(m.group(3)) + 1)]
+    layers = set()
+    for shard in shards:
+        names = info.tensors if shard == model else read_gguf(shard, check_data=False).tensors
+        layers |= {int(t.group(1)) for t in map(EXPS_TENSOR.match, names) if t}
+    return layers, int(info.arch_key("expert_used_count", 0))
+
+
+def host_layers(cell: Cell, experts: set[int]) -> set[int]:
+    """The layers whose experts the candidate's placement keeps on the host (the matrix allows by-path with these)."""
+    if cell.offload == "cpu-moe":
+        return set(experts)
+    return {il for il in experts if il < int(cell.offload.partition("-")[2])}
+
+
+def ot_rule(layers) -> str:
+    """The -ot rule that keeps exactly these layers' expert tensors on the CPU (worker/model.py's "cpu_moe_layers")."""
+    from pyllama_moe.worker.model import EXPS_REGEX
+
+    return rf"blk\.({'|'.join(str(il) for il in sorted(layers))}){EXPS_REGEX}=CPU"
+
+
+def choose_reference(paths: dict[int, dict[str, int]], host: set[int], experts: set[int]) -> dict:
+    """The run whose bytes a by-path cell's decode must equal, from the candidate's decode steps per cached layer and
+    path: the host experts that read the banks computed as on the GPU, the others (those that left them, and any
+    without slots) on the CPU. Every one on the GPU: master with every weight there ("all"); none: master --cpu-moe
+    (where the host held every layer's experts); else master with an -ot rule for those left on the CPU. Returns
+    "reference", "cpu_layers", "ot", "paths" (each layer's path) and "placement" (RunSpec fields). A layer that read
+    the banks in some steps and left them in others has no one reference: a UserError that names it."""
+    if not paths:
+        raise UserError("no cached layer counted a decode step: the cell's paths name no reference",
+                        "give the cell a cache (LLAMA_MOE_CACHE_MIB) and generate at least 2 tokens")
+    for il, steps in sorted(paths.items()):
+        if any(steps.get(p) for p in READ_PATHS) and any(steps.get(p) for p in LEAVE_PATHS):
+            taken = ", ".join(f"{p} {n}" for p, n in steps.items() if n)
+            raise UserError(f"cached layer {il} read the banks in some decode steps and left them in others ({taken}): "
+                            "no one reference computes its bytes",
+                            "a graph of a given size takes one path per layer (docs/cache-paths.md): "
+                            "find what changed it")
+    reading = {il for il, steps in paths.items() if any(steps.get(p) for p in READ_PATHS)}
+    cpu = sorted(set(host) - reading)
+    if not cpu:
+        ref, place = "all", {}
+    elif set(cpu) == set(experts):
+        ref, place = "cpu-moe", {"cpu_moe": True}
+    else:
+        ref, place = "-ot", {"cpu_moe_layers": cpu}
+    return {"reference": ref, "cpu_layers": cpu, "ot": ot_rule(cpu) if ref == "-ot" else "",
+            "paths": {str(il): "+".join(p for p, n in steps.items() if n) for il, steps in sorted(paths.items())},
+            "placement": place}
+
+
+def predicted_paths(log: str, n_tokens: int, k: int, decode_max: int = 8) -> dict[str, tuple[int, int]]:
+    """How many cached layers a graph of n_tokens sends down each path, by the cache's lines in a log (slots per
+    layer, per device) and docs/cache-paths.md's table: path -> (fewest, most). A device whose layers' slots differ
+    (the line's "7-8 of 16") has at least one layer at each end; where the two ends take different paths, each takes
+    1 to n - 1 of its n layers."""
+    on_device = {m.group(1) for m in CACHE_DEVICE.finditer(log)}
+    whole_filled = filled_whole_layers(log) > 0
+
+    def path(slots: int, n_expert: int, dev: str) -> str:
+        if slots == n_expert and whole_filled:
+            return "in_place"
+        if n_tokens > decode_max:
+            return "host"
+        if n_tokens * k > slots:
+            return "staging"
+        return "device" if dev in on_device else "host_plan"
+
+    out: dict[str, list[int]] = {}
+    for m in CACHE_MADE.finditer(log):
+        dev, n, smin, smax, n_expert = m.group(1), *map(int, m.groups()[2:])
+        ends = {path(smin, n_expert, dev), path(smax, n_expert, dev)}
+        for p in ends:
+            lo, hi = out.setdefault(p, [0, 0])
+            out[p] = [lo + (n if len(ends) == 1 else 1), hi + (n if len(ends) == 1 else n - 1)]
+    return {p: (lo, hi) for p, (lo, hi) in out.items()}
+
+
+def paths_check(paths: dict[int, dict[str, int]], log: str, n_tokens: int, k: int, n_steps: int,
+                decode_max: int = 8) -> Check:
+    """Each cached layer took one path in all n_steps decode steps (graphs of n_tokens), and as many layers took each
+    path as the cache's slots predict (predicted_paths)."""
+    taken = {il: [p for p, n in steps.items() if n] for il, steps in paths.items()}
+    one_path = bool(paths) and all(len(t) == 1 and paths[il][t[0]] == n_steps for il, t in taken.items())
+    counts: dict[str, int] = {}
+    for t in taken.values():
+        for p in t:
+            counts[p] = counts.get(p, 0) + 1
+    want = predicted_paths(log, n_tokens, k, decode_max)
+    as_predicted = bool(want) and set(counts) <= set(want) and all(lo <= counts.get(p, 0) <= hi
+                                                                   for p, (lo, hi) in want.items())
+    return Check("cache-paths", one_path and as_predicted,
+                 {"tokens": n_tokens, "steps": n_steps,
+                  "paths": {str(il): steps for il, steps in sorted(paths.items())},
+                  "layers_per_path": counts, "predicted": {p: list(r) for p, r in want.items()}})
 
 
 def read_sim_oplog(oplog: Path) -> tuple[set, int]:
@@ -413,6 +572,8 @@ def format_row(r: CellResult) -> str:
         extra = (f" first_diff_pos={d.get('first_diff_pos')} max_abs={d.get('max_abs', 0):.4g}"
                  f" kld={d.get('mean_kld', 0):.3g} top1={d.get('top1_agreement', 0):.3f}")
     expect = "" if r.cell.expect == "identical" else " (expect mismatch)"
+    if r.reference.get("reference"):
+        extra += f" reference={r.reference['reference']}" + (f" ({r.reference['ot']})" if r.reference.get("ot") else "")
     return f"{r.status.upper():8} {r.cell.label:52} {marks}{extra}{expect} [{r.seconds:.1f}s]"
 
 
@@ -420,5 +581,5 @@ def to_json(results: list[CellResult], counts: dict) -> str:
     rows = []
     for r in results:
         rows.append({"cell": asdict(r.cell), "label": r.cell.label, "status": r.status, "note": r.note,
-                     "seconds": round(r.seconds, 2), "checks": [asdict(c) for c in r.checks]})
+                     "seconds": round(r.seconds, 2), "checks": [asdict(c) for c in r.checks], "reference": r.reference})
     return json.dumps({"counts": counts, "cells": rows}, indent=1)

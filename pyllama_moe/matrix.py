@@ -30,7 +30,8 @@ EXPECTS = ("identical", "mismatch")
 class Cell:
     model: str
     offload: str = "cpu-moe"  # all | cpu-moe | ncmoe-N | ngl-N
-    # the baseline's placement where it differs (e.g. "all": what a path computing host experts on a GPU must equal)
+    # the baseline's placement where it differs (e.g. "all": what a path computing host experts on a GPU must equal),
+    # or "by-path": the one the candidate's decode paths name, chosen after the candidate ran (compare.choose_reference)
     baseline_offload: str = ""
     ubatch: int = 512
     load: str = "mmap"
@@ -47,6 +48,7 @@ class Cell:
     generate: int = 128
     perplexity: bool = True
     ppl_ctx: int = 128
+    parallel: int = 1  # sequences decoding together: each decode step is one graph of this many tokens
     name: str = ""
 
     @property
@@ -54,7 +56,8 @@ class Cell:
         if self.name:
             return self.name
         cb = f"/cb{self.eval_callback}" if self.eval_callback else ""
-        return f"{self.backend}/{self.model}/{self.offload}/ub{self.ubatch}/{self.load}/{self.knobs}{cb}"
+        par = f"/p{self.parallel}" if self.parallel > 1 else ""
+        return f"{self.backend}/{self.model}/{self.offload}/ub{self.ubatch}/{self.load}/{self.knobs}{cb}{par}"
 
     @property
     def build_backend(self) -> str:
@@ -64,6 +67,8 @@ class Cell:
     def placement(self, baseline: bool = False) -> dict:
         """RunSpec fields for the offload column, or for the baseline's where it has one of its own."""
         offload = self.baseline_offload if baseline and self.baseline_offload else self.offload
+        if offload == "by-path":
+            raise ValueError(f"{self.label}: a by-path baseline is placed by the candidate's paths (compare.py)")
         if offload == "all":
             return {}
         if offload == "cpu-moe":
@@ -142,10 +147,22 @@ class Matrix:
                 raise bad(f"unknown build {variant!r}", ("master", "patched"))
         if cell.backend in SIM_DEVICES and cell.candidate != "patched":
             raise bad(f"a {cell.backend} cell needs the patched build as candidate, not {cell.candidate!r}", ("patched",))
-        for offload in filter(None, (cell.offload, cell.baseline_offload)):
+        placed = cell.baseline_offload if cell.baseline_offload != "by-path" else ""
+        for offload in filter(None, (cell.offload, placed)):
             kind, _, n = offload.partition("-")
             if offload not in ("all", "cpu-moe") and not (kind in ("ncmoe", "ngl") and n.isdigit()):
                 raise bad(f"unknown offload {offload!r}", ("all", "cpu-moe", "ncmoe-N", "ngl-N"))
+        if cell.baseline_offload == "by-path":
+            # the reference keeps on the CPU the candidate's host experts that left the banks: only experts are on
+            # the host (-ngl would put whole layers there), and only the patched build reports the paths
+            if cell.candidate != "patched" or cell.backend == "cpu":
+                raise bad("a by-path baseline needs the patched build on a GPU-like backend as candidate",
+                          ("sim", "sim2", "cuda"))
+            if not (cell.offload == "cpu-moe" or cell.offload.startswith("ncmoe-")):
+                raise bad(f"a by-path baseline needs the candidate's experts on the host, not {cell.offload!r}",
+                          ("cpu-moe", "ncmoe-N"))
+        if not isinstance(cell.parallel, int) or cell.parallel < 1:
+            raise bad(f"parallel {cell.parallel!r} is not a whole number of sequences", (1, 2, 4, 8))
         if cell.fit not in ("on", "off"):
             raise bad(f"unknown fit {cell.fit!r}", ("on", "off"))
 

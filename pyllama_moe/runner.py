@@ -56,7 +56,13 @@ class RunSpec:
     # the worker's working directory from when its context is made (a relative path given to the cache names its
     # place at cache creation, not where the process is when the context is freed)
     chdir_after_context: str | None = None
-    n_seq_max: int | None = None  # llama_context_params.n_seq_max (the runs decode sequence 0 alone)
+    n_seq_max: int | None = None  # llama_context_params.n_seq_max (without `parallel` the runs decode sequence 0 alone)
+    # > 1: that many sequences decode together, each step one llama_decode of a token per sequence, teacher-forced
+    # (RunResult.generated: the argmaxes, step by step in sequence order; mode_logits.py)
+    parallel: int = 1
+    # layers whose expert tensors stay on the CPU besides cpu_moe / n_cpu_moe's, as an -ot rule would place them (the
+    # reference of a parallel step whose cached layers part read the banks and part left them; compare.py)
+    cpu_moe_layers: list[int] | None = None
 
 
 @dataclass
@@ -107,6 +113,11 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
                "warm_tokens": spec.warm_tokens, "lookup_callback": spec.lookup_callback, "contexts": spec.contexts,
                "moe_cache_caps": spec.moe_cache_caps, "prefetch_after_prompt": spec.prefetch_after_prompt,
                "chdir_after_context": spec.chdir_after_context, "n_seq_max": spec.n_seq_max}
+        # only where asked for, so that the requests of every other run stay as they were
+        if spec.parallel > 1:
+            req["parallel"] = spec.parallel
+        if spec.cpu_moe_layers:
+            req["cpu_moe_layers"] = list(spec.cpu_moe_layers)
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None

@@ -44,13 +44,26 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         # with the expert cache on, banks were made, decode read them (on the device, or with moe-cache-host through
         # the host-side plan), and prompts that upload ahead staged through it
         expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole",
-                                           "moe-cache-whole-routed", "moe-cache-split-ops", "moe-cache-seed-off") else set()
+                                           "moe-cache-whole-routed", "moe-cache-split-ops", "moe-cache-seed-off",
+                                           "moe-cache-half", "moe-cache-10-slots") else set()
         if knobs == "moe-cache-split-ops":
             assert checks["cache"]["detail"]["decode_path"] == "mixed"
+        # parallel sequences: each cached layer's paths against the slots, and the reference they named
+        parallel = cell["cell"]["parallel"]
+        expected |= {"cache-paths"} if parallel > 1 else set()
+        assert bool(cell["reference"]) == (cell["cell"]["baseline_offload"] == "by-path")
         assert set(checks) == expected and all(c["identical"] for c in checks.values())
         assert checks["logits"]["detail"]["positions"] == 600
         generate = cell["cell"]["generate"]
-        assert checks["text"]["detail"]["tokens"] == generate and checks["decode-logits"]["detail"]["steps"] == generate - 1
+        # the prompt's argmax, then one per sequence and step
+        assert checks["text"]["detail"]["tokens"] == 1 + (generate - 1) * parallel
+        assert checks["decode-logits"]["detail"]["steps"] == generate - 1
+    # the parallel cells named each reference at least once: master --cpu-moe, all on the GPU, and an -ot rule (the
+    # 3 MiB cache's 7-8 slots at 2 sequences); their own paths are tests/test_moe_cache_parallel.py's
+    refs = {(c["cell"]["knobs"], c["cell"]["parallel"]): c["reference"] for c in identity if c["reference"]}
+    assert {r["reference"] for r in refs.values()} == {"all", "cpu-moe", "-ot"}
+    assert refs[("moe-cache-half", 2)]["reference"] == "-ot" and refs[("moe-cache-10-slots", 2)]["reference"] == "all"
+    assert all(r["reference"] == "cpu-moe" for (knobs, n), r in refs.items() if n > 2 or knobs == "moe-cache")
     controls = {c["cell"]["name"]: c for c in cells if c["cell"]["expect"] == "mismatch"}
     assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait", "control/sim-moe-cache-stale",
                              "control/sim-moe-cache-host-stale", "control/sim-moe-cache-whole-stale"}

@@ -121,3 +121,102 @@ def test_a_cell_may_place_its_baseline_apart(tmp_path):
     bad = load_matrix(_matrix_file(tmp_path, '[[cells]]\nmodel = "m"\nbaseline_offload = "most"\n'))
     with pytest.raises(UserError, match="unknown offload 'most'"):
         bad.cells()
+
+
+def _steps(**counts):
+    return {p: counts.get(p, 0) for p in ("in_place", "device", "host_plan", "staging", "host")}
+
+
+def test_a_by_path_reference_is_named_by_the_layers_that_left_the_banks():
+    from pyllama_moe.compare import choose_reference
+
+    experts = {0, 1, 2, 3}
+    reading = {il: _steps(device=15) for il in experts}
+    ref = choose_reference(reading, experts, experts)
+    assert (ref["reference"], ref["cpu_layers"], ref["placement"]) == ("all", [], {})
+    # in place and the host-side plan read the banks too
+    ref = choose_reference({0: _steps(in_place=15), 1: _steps(host_plan=15), 2: _steps(device=15),
+                            3: _steps(device=15)}, experts, experts)
+    assert ref["reference"] == "all"
+    leaving = {0: _steps(staging=15), 1: _steps(staging=15), 2: _steps(host=15), 3: _steps(host=15)}
+    ref = choose_reference(leaving, experts, experts)
+    assert (ref["reference"], ref["cpu_layers"], ref["placement"]) == ("cpu-moe", [0, 1, 2, 3], {"cpu_moe": True})
+    mixed = {0: _steps(device=15), 1: _steps(device=15), 2: _steps(staging=15), 3: _steps(staging=15)}
+    ref = choose_reference(mixed, experts, experts)
+    assert (ref["reference"], ref["placement"]) == ("-ot", {"cpu_moe_layers": [2, 3]})
+    assert ref["ot"] == r"blk\.(2|3)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
+    assert ref["paths"] == {"0": "device", "1": "device", "2": "staging", "3": "staging"}
+    # a host layer without slots (no path counted) computes on the CPU like one that left the banks
+    ref = choose_reference({0: _steps(device=15), 1: _steps(device=15)}, experts, experts)
+    assert (ref["reference"], ref["cpu_layers"]) == ("-ot", [2, 3])
+    # -ncmoe 2: the layers above keep their experts on the GPU, so leaving both host layers is not --cpu-moe
+    ref = choose_reference({0: _steps(staging=15), 1: _steps(staging=15)}, {0, 1}, experts)
+    assert (ref["reference"], ref["placement"]) == ("-ot", {"cpu_moe_layers": [0, 1]})
+    ref = choose_reference({0: _steps(device=15), 1: _steps(device=15)}, {0, 1}, experts)
+    assert ref["reference"] == "all"
+
+
+def test_a_layer_that_read_the_banks_and_left_them_has_no_reference():
+    from pyllama_moe.compare import choose_reference
+
+    experts = {0, 1, 2, 3}
+    paths = {0: _steps(device=15), 1: _steps(device=9, staging=6), 2: _steps(staging=15), 3: _steps(staging=15)}
+    with pytest.raises(UserError, match=r"cached layer 1 read the banks in some decode steps and left them in others "
+                                        r"\(device 9, staging 6\)"):
+        choose_reference(paths, experts, experts)
+    with pytest.raises(UserError, match="no cached layer counted a decode step"):
+        choose_reference({}, experts, experts)
+    # two paths that both read the banks leave the reference defined (here the -ot rule for layers 2 and 3)
+    paths[1] = _steps(device=9, in_place=6)
+    assert choose_reference(paths, experts, experts)["reference"] == "-ot"
+
+
+CACHE_LINE = ("llama_moe: expert cache on {dev}: 2.99 MiB, {n} MoE layers with their experts on the host, {lo}-{hi} of "
+              "16 expert slots each; graphs of up to 8 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)\n"
+              "llama_moe: expert cache on {dev}: decode looks up its slots and fills its misses on the device\n")
+
+
+def test_the_paths_check_holds_each_layer_to_the_path_its_slots_name():
+    from pyllama_moe.compare import paths_check, predicted_paths
+
+    split = CACHE_LINE.format(dev="SIM0", n=4, lo=7, hi=8)
+    assert predicted_paths(split, 2, 4) == {"device": (1, 3), "staging": (1, 3)}
+    assert predicted_paths(split, 4, 4) == {"staging": (4, 4)}
+    assert predicted_paths(split, 12, 4) == {"host": (4, 4)}
+    assert predicted_paths(split, 1, 4) == {"device": (4, 4)}
+    mixed = {0: _steps(device=15), 1: _steps(device=15), 2: _steps(staging=15), 3: _steps(staging=15)}
+    assert paths_check(mixed, split, 2, 4, 15).identical
+    # a path miscounted: every layer staging where the slots say some read the banks, or a graph of 4 on the device
+    assert not paths_check({il: _steps(staging=15) for il in range(4)}, split, 2, 4, 15).identical
+    assert not paths_check({il: _steps(device=15) for il in range(4)}, split, 4, 4, 15).identical
+    # a step missing, a layer on two paths, or no cache line to predict from
+    assert not paths_check({**mixed, 3: _steps(staging=14)}, split, 2, 4, 15).identical
+    assert not paths_check({**mixed, 1: _steps(device=10, in_place=5)}, split, 2, 4, 15).identical
+    assert not paths_check(mixed, "", 2, 4, 15).identical
+    # two devices, their layers counted together; without the lookup line a device plans on the host
+    two = CACHE_LINE.format(dev="SIM0", n=3, lo=5, hi=5)
+    two += CACHE_LINE.format(dev="SIM1", n=1, lo=10, hi=10).splitlines()[0]
+    assert predicted_paths(two, 2, 4) == {"staging": (3, 3), "host_plan": (1, 1)}
+
+
+def test_the_parallel_cells_parse_with_a_by_path_baseline_on_sim_and_cuda(tmp_path):
+    m = load_matrix(CI_DIR / "matrix.toml")
+    cells = m.cells("moe-cache-parallel")
+    for backend in ("sim", "cuda"):
+        mine = [c for c in cells if c.backend == backend]
+        assert {(c.knobs, c.parallel) for c in mine} == {
+            *((k, n) for k in ("moe-cache", "moe-cache-half") for n in (2, 4, 8, 12)), ("moe-cache-10-slots", 2)}
+        assert all(c.baseline_offload == "by-path" and c.label.endswith(f"/p{c.parallel}") for c in mine)
+    assert {m.knobs[c.knobs]["LLAMA_MOE_CACHE_MIB"] for c in cells} == {"2", "3", "4"}
+    # the SIM ones run in CI; the CUDA ones on the GPU machine, not in the one-at-a-time `moe-cache`
+    assert {c.label for c in m.cells("ci") if c.parallel > 1} == {c.label for c in cells if c.backend == "sim"}
+    assert not [c for c in m.cells("moe-cache") if c.parallel > 1]
+    assert "--subset moe-cache-parallel --backend cuda" in (CI_DIR / "gpu" / "cache.sh").read_text()
+    with pytest.raises(ValueError, match="by-path"):
+        cells[0].placement(baseline=True)
+    for backend, option, why in (("sim", 'offload = "ngl-2"', "experts on the host"), ("cpu", "", "GPU-like backend"),
+                                 ("sim", "parallel = 0", "whole number of sequences")):
+        bad = load_matrix(_matrix_file(tmp_path, f'[[cells]]\nmodel = "m"\nbackend = "{backend}"\n'
+                                                 f'baseline_offload = "by-path"\n{option}\n'))
+        with pytest.raises(UserError, match=why):
+            bad.cells()

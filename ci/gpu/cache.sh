@@ -3,8 +3,9 @@
 # prefetch.sh says; the steps run after `prefetch.sh build` (or in ci/gpu/open-issues.sh):
 #   identity   compare --subset moe-cache --backend cuda: the cache's CUDA cells (the SIM ones and the stale-slot
 #              control run in CI), every check byte for byte against master with every weight on the GPU; then
-#              compute-sanitizer memcheck over a decode that evicts every token, and a planted refused lookup that
-#              must fail its decode call
+#              --subset moe-cache-parallel: steps of 2 to 12 sequences, each against the master run its cached layers'
+#              paths name (docs/cache-paths.md); then compute-sanitizer memcheck over a decode that evicts every token,
+#              and a planted refused lookup that must fail its decode call
 #   pp         the prompt path, its three parts in turn:
 #   pp-master  pp4096 at ub 512 with the cache at a quarter of the expert bytes (3900 MiB) against master, -lm none
 #              and mmap
@@ -27,6 +28,8 @@ identity)
     wait_builds 300 || exit 1
     timeout 300 python3 -m pyllama_moe compare --subset moe-cache --backend cuda --archive-dir $A --json "$OUT/identity-moe-cache.json" \
         2>&1 | tee "$OUT/identity-moe-cache.txt"
+    timeout 300 python3 -m pyllama_moe compare --subset moe-cache-parallel --backend cuda --archive-dir $A \
+        --json "$OUT/identity-moe-cache-parallel.json" 2>&1 | tee "$OUT/identity-moe-cache-parallel.txt"
     P=$(patched_bin)
     tiny_prompt
     LLAMA_MOE_CACHE_MIB=2 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$P/llama-completion" -m "$SMALL" \

@@ -7,7 +7,8 @@ Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement kn
 "moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "n_seq_max",
 "prefetch_after_prompt" (prefetch fields set between the prompt and the generation: the next decode reserves),
 "chdir_after_context" (the working directory from when the context is made), "contexts" (N > 1: N contexts on the one
-model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts).
+model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts), "parallel"
+(N > 1: N sequences of one context decode together, one llama_decode of N tokens a step; see _parallel_steps).
 Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats", "lookup_callback",
 "contexts".
 """
@@ -36,10 +37,14 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         n_gen = int(req.get("generate", 0))
         cp = _context_params(L, req, len(tokens) + n_gen)
         n_batch = cp.n_batch
+        n_par = int(req.get("parallel") or 1)
         keep_cb = None
         watch = _LookupWatch(L, lib_dir, req["lookup_callback"]) if req.get("lookup_callback") else None
         if watch and req.get("eval_callback"):
             raise RuntimeError("a request takes one eval callback: \"eval_callback\" or \"lookup_callback\", not both")
+        if n_par > 1 and (watch or req.get("warm_tokens")):
+            raise RuntimeError("\"parallel\" decodes every sequence at once: it takes no \"lookup_callback\" or "
+                               "\"warm_tokens\"")
         if req.get("eval_callback"):
             keep_cb = cp.cb_eval = _eval_callback(L, int(req["eval_callback"]))
             cp.cb_eval_user_data = None
@@ -82,10 +87,21 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 reply["logits_sha256"] = hashlib.sha256(logits.tobytes()).hexdigest()
             if req.get("prefetch_after_prompt"):
                 moe.set_prefetch(req["prefetch_after_prompt"])
-            generated, digest = _greedy(L, ctx, batch, logits[-1], len(tokens), n_gen, n_batch, n_vocab, watch)
+            n_layer = L.llama_model_n_layer(model)
+            before = moe.layer_paths(n_layer) if moe and req.get("stats") else None
+            if n_par > 1:
+                generated, digest = _parallel_steps(L, ctx, batch, tokens, logits[-1], n_gen, n_par, n_vocab)
+            else:
+                generated, digest = _greedy(L, ctx, batch, logits[-1], len(tokens), n_gen, n_batch, n_vocab, watch)
             reply["generated"], reply["decode_logits_sha256"] = generated, digest
             if moe and req.get("stats"):
                 reply["stats"]["generate"] = moe.stats()
+                # the generation's own steps per cached layer: a graph of more tokens than LLAMA_MOE_CACHE_DECODE_MAX
+                # counts in the prompt phase, so both phases are read and what the prompt counted is taken off
+                after = moe.layer_paths(n_layer)
+                reply["stats"]["decode_paths"] = {
+                    str(il): {p: n - before[il][p] for p, n in steps.items()}
+                    for il, steps in after.items() if sum(steps.values()) > sum(before[il].values())}
             if watch:
                 reply["lookup_callback"] = {"lookups": watch.seen, "stopped_at_step": watch.stopped_at_step}
             reply["text"] = _detok(L, vocab, generated)
@@ -163,10 +179,14 @@ def _parallel_contexts(L, req: dict, lib_dir: Path) -> dict:
 def _context_params(L, req: dict, n_tokens: int):
     """The request's context parameters, for n_tokens of prompt and generation: "n_ctx" (default n_tokens + 16 for
     each sequence), "n_batch", "n_ubatch", "threads", "op_offload", "n_seq_max" (the sequences the context may hold;
-    the requests decode sequence 0 alone)."""
+    without "parallel" the requests decode sequence 0 alone), "parallel" (at least that many sequences, in one unified
+    KV buffer: see _parallel_steps)."""
     cp = L.llama_context_default_params()
-    n_seq_max = int(req.get("n_seq_max") or 1)
+    n_par = int(req.get("parallel") or 1)
+    n_seq_max = max(int(req.get("n_seq_max") or 1), n_par)
     cp.n_seq_max = n_seq_max
+    if n_par > 1:
+        cp.kv_unified = True
     cp.n_ctx = int(req.get("n_ctx") or (n_tokens + 16) * n_seq_max)
     cp.n_batch = int(req.get("n_batch", 2048))
     cp.n_ubatch = int(req.get("n_ubatch", 512))
@@ -195,6 +215,43 @@ def _greedy(L, ctx, batch, last, start_pos: int, n_gen: int, n_batch: int, n_voc
                     raise RuntimeError(f"the context's memory cannot forget position {pos} to decode it again")
                 last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
             digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
+    return generated, digest.hexdigest()
+
+
+def forced_token(s: int, step: int, n_vocab: int) -> int:
+    """The token sequence s decodes at a parallel step: a fixed list per sequence, not the argmax, so that both builds
+    decode the same tokens whatever their logits. Two of the first 12 sequences feed the same token at a step only in
+    a vocabulary of at most 11 tokens or of a multiple of 7919 (a prime)."""
+    return (1 + s * 7919 + step * 104729) % n_vocab
+
+
+def _parallel_steps(L, ctx, batch, tokens: list[int], last, n_gen: int, n_par: int,
+                    n_vocab: int) -> tuple[list[int], str]:
+    """n_gen - 1 steps (as many as _greedy's) of n_par sequences, each step one llama_decode of n_par tokens, one per
+    sequence, every one an output: a graph of n_par tokens, the batch llama-parallel decodes. The prompt was evaluated
+    once for sequence 0; the other sequences are given its KV cells (llama_memory_seq_cp: in the unified KV buffer
+    that tags the cells, copying nothing), so every sequence attends to the very bytes that one evaluation wrote and
+    the prompt's graphs are those of a single sequence. Returns the argmax of the prompt's last row and then of every
+    row, step by step in sequence order, and the sha256 of every step's logits in that order."""
+    mem = L.llama_get_memory(ctx)
+    for s in range(1, n_par):
+        L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+    generated = [int(np.argmax(last))]
+    digest = hashlib.sha256()
+    for step in range(max(n_gen - 1, 0)):
+        batch.n_tokens = n_par
+        for s in range(n_par):
+            batch.token[s] = forced_token(s, step, n_vocab)
+            batch.pos[s] = len(tokens) + step
+            batch.n_seq_id[s] = 1
+            batch.seq_id[s][0] = s
+            batch.logits[s] = 1
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode of {n_par} sequences returned {rc}")
+        rows = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_par, n_vocab))
+        digest.update(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
+        generated.extend(int(t) for t in rows.argmax(axis=1))
     return generated, digest.hexdigest()
 
 
@@ -269,6 +326,19 @@ class _MoeApi:
         # the staging budget has a setter of its own (the by-value struct keeps its four fields)
         if "staging_mib" in params and "staging_mib" not in fields:
             self.lib.llama_moe_set_prefetch_staging_mib(self.ctx, int(params["staging_mib"]))
+
+    def layer_paths(self, n_layer: int) -> dict[int, dict[str, int]]:
+        """The steps of each cached layer by path since the cache was made, both phases summed (layers without a cache
+        count none)."""
+        from pyllama_moe.ffi import cache_path_steps
+
+        if not hasattr(self.lib, "llama_moe_cache_get_path_steps"):
+            return {}
+        out = {}
+        for il in range(n_layer):
+            per_phase = [cache_path_steps(self.lib, self.ffi, self.ctx, phase, il) for phase in (0, 1)]
+            out[il] = {p: per_phase[0][p] + per_phase[1][p] for p in per_phase[0]}
+        return out
 
     def reset_stats(self) -> None:
         self.lib.llama_moe_reset_stats(self.ctx)

@@ -26,6 +26,8 @@ def cpu_overrides(req: dict, lib_dir: Path):
         patterns = [EXPS_REGEX]
     else:
         patterns = [rf"blk\.{i}{EXPS_REGEX}" for i in range(int(req.get("n_cpu_moe") or 0))]
+        # "cpu_moe_layers": the experts of these layers, as `-ot 'blk\.(3|7)\.ffn_..._exps=CPU'` places them
+        patterns += [rf"blk\.{int(i)}{EXPS_REGEX}" for i in req.get("cpu_moe_layers") or []]
     if not patterns:
         return None, []
     ggml_cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"))
@@ -41,8 +43,8 @@ def cpu_overrides(req: dict, lib_dir: Path):
 
 @contextmanager
 def loaded_model(llama_cpp, req: dict, lib_dir: Path, *, vocab_only: bool = False):
-    """The model at req["model"] with the request's "n_gpu_layers", "load_mode", "repack", "cpu_moe" and
-    "n_cpu_moe"; freed on leaving. Free every context on it before that."""
+    """The model at req["model"] with the request's "n_gpu_layers", "load_mode", "repack", "cpu_moe", "n_cpu_moe"
+    and "cpu_moe_layers"; freed on leaving. Free every context on it before that."""
     mp = llama_cpp.llama_model_default_params()
     if "n_gpu_layers" in req:
         mp.n_gpu_layers = int(req["n_gpu_layers"])
