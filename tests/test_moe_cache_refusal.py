@@ -24,11 +24,11 @@ def model():
     return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
-def _complete(build, model, **env_extra):
+def _complete(build, model, *args, **env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_ARG_"))}
     env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1", LLAMA_MOE_CACHE_MIB="2", **env_extra)
     return subprocess.run([str(build.bin_dir / "llama-completion"), "-m", str(model), "-ngl", "99", "-cmoe", "-p", PROMPT,
-                           "-n", "8", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v"],
+                           "-n", "8", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v", *args],
                           env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -43,3 +43,16 @@ def test_a_refused_lookup_fails_the_decode_call_that_computed_it(patched_build, 
     refused = [ln for ln in log.splitlines() if "was refused in this step" in ln]
     assert len(refused) == 1 and "the decode call fails" in refused[0]
     assert "failed to eval" in log
+
+
+def test_a_refusal_names_its_layer_when_an_earlier_device_got_no_cache(patched_build, model):
+    # two SIM devices, the first too small for any slot (its layers stay uncached), the second caching layers 2 and 3:
+    # the words of the second device must lead to its own layers, not to positions of the layers before the cache
+    # dropped the first device's
+    planted = _complete(patched_build, model, "-ts", "1,2", GGML_SIM_DEVICES="2", GGML_SIM_MEMORY_MIB="520,8192",
+                        LLAMA_MOE_CACHE_DEBUG_REFUSE="2")
+    log = planted.stderr
+    assert "no expert cache on SIM0" in log and "expert cache on SIM1" in log, log[-3000:]
+    assert planted.returncode == 1, log[-3000:]  # the failed decode call, not an abort
+    refused = [ln for ln in log.splitlines() if "was refused in this step" in ln]
+    assert len(refused) == 1 and "layer 2's lookup on SIM1" in refused[0], log[-3000:]

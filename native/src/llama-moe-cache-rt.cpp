@@ -122,7 +122,7 @@ struct rt_status {
     ggml_backend_buffer_t host_buf = nullptr; // the device's host buffer type (page-locked on CUDA), where it has one
     std::vector<int32_t>  host_fallback;
     int32_t *             host     = nullptr;
-    std::vector<size_t>   layer_of; // word -> index into layers
+    std::vector<int32_t>  layer_of; // word -> the model layer (il): rt.layers is compacted after allocation
 };
 
 struct llama_moe_cache_rt {
@@ -246,25 +246,6 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
     if (l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2] != l.n_expert) {
         return "in tensors of another expert count than the model's";
     }
-    // a per-expert bias gets a bank beside its weight's, so that the matmul and the bias add read the same slots
-    // (CUDA fuses them); one the banks cannot hold would be added with the router's ids next to a matmul reading
-    // slots, which CUDA refuses to fuse: such a layer is not cached (the bias on a device while its weight is on the
-    // host: an -ot rule that moved only the .weight tensors)
-    const bool weights_on_host = l.g.host[LLAMA_MOE_CACHE_DOWN]->buffer != nullptr &&
-            ggml_backend_buffer_is_host(l.g.host[LLAMA_MOE_CACHE_DOWN]->buffer);
-    for (int k = EXP_N_WEIGHTS; k < LLAMA_MOE_CACHE_N_TENSORS && weights_on_host; k++) {
-        const ggml_tensor * b = l.g.host[k];
-        if (b == nullptr) {
-            continue;
-        }
-        if (b->buffer == nullptr || !ggml_backend_buffer_is_host(b->buffer)) {
-            return "on the host while their biases are on a device (move the biases with them, e.g. -ot "
-                    "'ffn_.*_exps=CPU', not only the .weight tensors)";
-        }
-        if (b->extra != nullptr || !ggml_is_contiguous(b) || b->ne[1] != l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2]) {
-            return "beside biases in a layout the banks do not copy (repacked, not contiguous, or another expert count)";
-        }
-    }
     for (int k = 0; k < EXP_N_WEIGHTS; k++) {
         const ggml_tensor * t = l.g.host[k];
         if (t == nullptr) {
@@ -279,6 +260,23 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
         }
         if (!ggml_is_contiguous(t) || t->ne[2] != l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2]) {
             return "in a host layout the banks do not copy (not contiguous, or tensors of different expert counts)";
+        }
+    }
+    // every weight is on the host. A per-expert bias gets a bank beside its weight's, so that the matmul and the
+    // bias add read the same slots (CUDA fuses them); one the banks cannot hold would be added with the router's ids
+    // next to a matmul reading slots, which CUDA refuses to fuse: such a layer is not cached (a bias on a device: an
+    // -ot rule that moved only the .weight tensors)
+    for (int k = EXP_N_WEIGHTS; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        const ggml_tensor * b = l.g.host[k];
+        if (b == nullptr) {
+            continue;
+        }
+        if (b->buffer == nullptr || !ggml_backend_buffer_is_host(b->buffer)) {
+            return "on the host while their biases are on a device (move the biases with them, e.g. -ot "
+                    "'ffn_.*_exps=CPU', not only the .weight tensors)";
+        }
+        if (b->extra != nullptr || !ggml_is_contiguous(b) || b->ne[1] != l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2]) {
+            return "beside biases in a layout the banks do not copy (repacked, not contiguous, or another expert count)";
         }
     }
     l.dev = model.dev_layer(il);
@@ -387,7 +385,7 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         if (n_slots[i] > 0) {
             layers[i]->status_dev   = (int32_t) rt.statuses.size();
             layers[i]->status_index = (int32_t) status.layer_of.size();
-            status.layer_of.push_back((size_t) (layers[i] - rt.layers.data()));
+            status.layer_of.push_back(layers[i]->il);
         }
     }
     if (!status.layer_of.empty()) {
@@ -1897,7 +1895,7 @@ bool llama_moe_cache_graph_ok(llama_moe_cache_rt * rt, ggml_backend_sched_t sche
             if (s.host[j] == 0) {
                 continue;
             }
-            rt_layer & l = rt->layers[s.layer_of[j]];
+            rt_layer & l = rt->layers[rt->index[s.layer_of[j]]];
             LLAMA_LOG_ERROR("llama_moe: expert cache: layer %d's lookup on %s was refused in this step (more experts than "
                     "slots, an id out of range, or an inconsistent slot state), so the step read wrong slots: the decode "
                     "call fails; the layer's slots start empty again\n", l.il, ggml_backend_dev_name(l.dev));

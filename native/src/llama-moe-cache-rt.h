@@ -79,8 +79,8 @@ enum llama_moe_cache_tensor {
 
 // the graph's view of one cached layer: what build_moe_ffn reads instead of the host expert tensors
 struct llama_moe_cache_graph_layer {
-    // the layer's tensors the banks copy, nullptr where the layer has none (a bias on a device stays there: the graph
-    // adds it with the router's ids), and their banks ([ne0, ne1, n_slots] or [ne0, n_slots])
+    // the layer's tensors the banks copy, nullptr where the layer has none (a layer whose biases the banks cannot
+    // hold is not cached), and their banks ([ne0, ne1, n_slots] or [ne0, n_slots])
     const ggml_tensor * host[LLAMA_MOE_CACHE_N_TENSORS] = {};
     ggml_tensor *       bank[LLAMA_MOE_CACHE_N_TENSORS] = {};
     // I32 [1, n_expert, decode_max]: the slot of each expert, one row per token, written by the plan; the graph

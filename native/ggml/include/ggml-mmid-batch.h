@@ -13,7 +13,7 @@
 //                             which compute each expert apart, and get MMVQ's maximum, 8. SIM: the rule of the
 //                             compute capability in GGML_SIM_CC, else 8).
 //
-// A device without the proc gets no expert banks.
+// For a device without the proc the cache assumes LLAMA_MOE_CACHE_DECODE_MAX (it banks only CUDA and SIM devices).
 #pragma once
 
 #include "ggml.h"
