@@ -26,7 +26,7 @@ def model():
 
 def _complete(build, model, *args, **env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_ARG_"))}
-    env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1", LLAMA_MOE_CACHE_MIB="2", **env_extra)
+    env.update({"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "LLAMA_MOE_CACHE_MIB": "2", **env_extra})
     return subprocess.run([str(build.bin_dir / "llama-completion"), "-m", str(model), "-ngl", "99", "-cmoe", "-p", PROMPT,
                            "-n", "8", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v", *args],
                           env=env, capture_output=True, text=True, timeout=300)

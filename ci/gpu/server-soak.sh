@@ -24,7 +24,7 @@ WORK=/tmp/plm-server-soak
 server_build() { # the build folder; builds it first where it is missing (the build step's command, reused)
     [ -n "${SERVER_BUILD:-}" ] && { echo "$SERVER_BUILD"; return 0; }
     python3 -m pyllama_moe build --backend cuda --variant patched --archive $A/llama.cpp-patched.tar.gz -j 16 \
-        --targets llama-server --cmake-arg -DLLAMA_BUILD_SERVER=ON --cmake-arg -DLLAMA_USE_PREBUILT_UI=OFF
+        --targets llama-server --cmake-arg=-DLLAMA_BUILD_SERVER=ON --cmake-arg=-DLLAMA_USE_PREBUILT_UI=OFF
 }
 
 soak_model() { # written once
@@ -70,7 +70,7 @@ soak)
 memcheck)
     soak memcheck 440 --slots 4 --clients 4 --seconds "${MEMCHECK_S:-150}" --max-requests 200 --pause-every 50 \
         --max-prompt 512 --max-predict 16 --threads 8 --startup-timeout 240 --request-timeout 240 \
-        --wrapper "compute-sanitizer --tool memcheck --error-exitcode 9" "$@"
+        --wrapper "compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9" "$@"
     rc=$?
     grep -h "ERROR SUMMARY" "$WORK/memcheck/server.log" 2> /dev/null | tail -1
     ;;
