@@ -63,6 +63,9 @@ class RunSpec:
     # layers whose expert tensors stay on the CPU besides cpu_moe / n_cpu_moe's, as an -ot rule would place them (the
     # reference of a parallel step whose cached layers part read the banks and part left them; compare.py)
     cpu_moe_layers: list[int] | None = None
+    # how many generation steps may fail with -3 (an expert-cache lookup refused: llama.cpp removed the step's
+    # positions) and be decoded again; RunResult.decode_retries lists their positions (a planted refusal's test)
+    retry_failed_decode: int = 0
 
 
 @dataclass
@@ -76,6 +79,7 @@ class RunResult:
     decode_logits_sha256: str | None = None  # the logits of every generated step after the first, in order
     lookup_callback: dict | None = None  # what the lookup callback saw: "lookups", "stopped_at_step"
     contexts: list[dict] | None = None  # with RunSpec.contexts > 1: per context "generated", "decode_logits_sha256", "stats"
+    decode_retries: list[int] | None = None  # with RunSpec.retry_failed_decode: the positions decoded again
 
 
 def check_model(path: Path) -> Path:
@@ -118,9 +122,11 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
             req["parallel"] = spec.parallel
         if spec.cpu_moe_layers:
             req["cpu_moe_layers"] = list(spec.cpu_moe_layers)
+        if spec.retry_failed_decode:
+            req["retry_failed_decode"] = spec.retry_failed_decode
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None
     return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), log,
                      reply.get("stats"), reply.get("decode_logits_sha256"), reply.get("lookup_callback"),
-                     reply.get("contexts"))
+                     reply.get("contexts"), reply.get("decode_retries"))

@@ -5,12 +5,13 @@ SIM with LLAMA_MOE_CACHE_DEBUG_REFUSE=N: the Nth graph with device lookups finds
 corrupt. llama-completion stops at the failed call ("failed to eval"); without the plant the same run completes."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 
 import pytest
 
-from pyllama_moe import models
+from pyllama_moe import models, runner
 from pyllama_moe.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
@@ -56,3 +57,18 @@ def test_a_refusal_names_its_layer_when_an_earlier_device_got_no_cache(patched_b
     assert planted.returncode == 1, log[-3000:]  # the failed decode call, not an abort
     refused = [ln for ln in log.splitlines() if "was refused in this step" in ln]
     assert len(refused) == 1 and "layer 2's lookup on SIM1" in refused[0], log[-3000:]
+
+
+def test_a_refused_step_decoded_again_gives_the_tokens_and_logits_of_a_clean_run(patched_build, src, model):
+    # the failed call removed its positions and emptied the refused layer's slots: the same token at the same position
+    # decodes as if nothing had happened (SIM computes every path with the CPU's kernels, so bytes equal the cache off)
+    tokens = [(i * 7919) % 4000 + 16 for i in range(40)]
+    env = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "LLAMA_MOE_CACHE_MIB": "2"}
+    spec = runner.RunSpec(model=model, tokens=tokens, cpu_moe=True, load_mode="none", repack=False, threads=2,
+                          generate=8, stats=True, env=env, retry_failed_decode=1)
+    clean = runner.run(patched_build, src, dataclasses.replace(spec, env={**env, "LLAMA_MOE_CACHE_MIB": "0"}))
+    planted = runner.run(patched_build, src, dataclasses.replace(spec, env={**env, "LLAMA_MOE_CACHE_DEBUG_REFUSE": "3"}))
+    assert planted.decode_retries == [len(tokens) + 2]  # the third generation step's graph, the third device graph
+    assert planted.generated == clean.generated
+    assert planted.decode_logits_sha256 == clean.decode_logits_sha256
+    assert sum("was refused in this step" in ln for ln in planted.log.splitlines()) == 1

@@ -8,9 +8,10 @@ Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement kn
 "prefetch_after_prompt" (prefetch fields set between the prompt and the generation: the next decode reserves),
 "chdir_after_context" (the working directory from when the context is made), "contexts" (N > 1: N contexts on the one
 model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts), "parallel"
-(N > 1: N sequences of one context decode together, one llama_decode of N tokens a step; see _parallel_steps).
+(N > 1: N sequences of one context decode together, one llama_decode of N tokens a step; see _parallel_steps),
+"retry_failed_decode" (N: that many generation steps may fail with -3 and be decoded again; see _greedy).
 Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats", "lookup_callback",
-"contexts".
+"contexts", "decode_retries" (with retry_failed_decode: the positions decoded again).
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ def run(L, req: dict, lib_dir: Path) -> dict:
             if n_par > 1:
                 generated, digest = _parallel_steps(L, ctx, batch, tokens, logits[-1], n_gen, n_par, n_vocab)
             else:
-                generated, digest = _greedy(L, ctx, batch, logits[-1], len(tokens), n_gen, n_batch, n_vocab, watch)
+                retry = _Retry(int(req.get("retry_failed_decode") or 0))
+                generated, digest = _greedy(L, ctx, batch, logits[-1], len(tokens), n_gen, n_batch, n_vocab, watch,
+                                            retry)
+                if req.get("retry_failed_decode"):
+                    reply["decode_retries"] = retry.at
             reply["generated"], reply["decode_logits_sha256"] = generated, digest
             if moe and req.get("stats"):
                 reply["stats"]["generate"] = moe.stats()
@@ -196,11 +201,34 @@ def _context_params(L, req: dict, n_tokens: int):
     return cp
 
 
+class DecodeError(RuntimeError):
+    def __init__(self, rc: int, what: str):
+        super().__init__(f"{what} returned {rc}")
+        self.rc = rc
+
+
+class _Retry:
+    """Generation steps that may fail with -3 and be decoded again: llama.cpp removed the failed step's positions
+    (a refused expert-cache lookup fails its call so), so the same token at the same position is a new try."""
+
+    def __init__(self, budget: int):
+        self.left = budget
+        self.at: list[int] = []
+
+    def take(self, err: DecodeError, pos: int) -> bool:
+        if err.rc != -3 or self.left <= 0:
+            return False
+        self.left -= 1
+        self.at.append(pos)
+        return True
+
+
 def _greedy(L, ctx, batch, last, start_pos: int, n_gen: int, n_batch: int, n_vocab: int,
-            watch=None) -> tuple[list[int], str]:
+            watch=None, retry: _Retry | None = None) -> tuple[list[int], str]:
     """n_gen tokens by argmax from the logits row `last`, the first at start_pos; returns them and the sha256 of the
     logits of every decode step, in order (the text alone misses a change that flips no argmax). With a
-    _LookupWatch that stopped a step's graph, that token is forgotten and decoded again."""
+    _LookupWatch that stopped a step's graph, that token is forgotten and decoded again; a step that failed with -3
+    is decoded again while `retry` allows."""
     generated = []
     digest = hashlib.sha256()
     for step in range(n_gen):
@@ -208,7 +236,13 @@ def _greedy(L, ctx, batch, last, start_pos: int, n_gen: int, n_batch: int, n_voc
         generated.append(tok)
         if step + 1 < n_gen:
             pos = start_pos + step
-            last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
+            while True:
+                try:
+                    last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
+                    break
+                except DecodeError as err:
+                    if retry is None or not retry.take(err, pos):
+                        raise
             if watch and watch.take_stop(step):
                 # the stopped graph's logits and KV entries are unfinished: forget the token, decode it again
                 if not L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, pos, -1):
@@ -288,7 +322,7 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
             batch.logits[i] = 1 if (want_logits or off + i == len(tokens) - 1) else 0
         rc = L.llama_decode(ctx, batch)
         if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
+            raise DecodeError(rc, "llama_decode")
         n_out = len(chunk) if want_logits else (1 if off + len(chunk) == len(tokens) else 0)
         if n_out:
             ptr = L.llama_get_logits(ctx)
