@@ -130,15 +130,19 @@ def run_bench(args, model: Path) -> str:
     from pyllama_moe import bench, bench_hits, bench_limits
     from pyllama_moe.build import resolve
 
-    def build(variant: str):  # only the tools bench runs, so a bench-only build dir is enough
+    def build(variant: str, archive: Path | None):  # only the tools bench runs, so a bench-only build dir is enough
+        if archive is None and args.archive_dir:
+            archive = args.archive_dir / f"llama.cpp-{variant}.tar.gz"
         return resolve(variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, make=not args.no_build,
-                       archive=(args.archive_dir / f"llama.cpp-{variant}.tar.gz") if args.archive_dir else None,
-                       targets=bench_limits.BENCH_TARGETS[variant])
+                       archive=archive, targets=bench_limits.BENCH_TARGETS[variant])
 
-    builds = {"baseline": build(args.baseline), "candidate": build(args.candidate)}
+    archives = {"baseline": args.baseline_archive, "candidate": args.candidate_archive}
+    builds = {side: build(getattr(args, side), archives[side]) for side in ("baseline", "candidate")}
     names = {"baseline": args.baseline, "candidate": args.candidate}
     if args.baseline == args.candidate:
-        names = {"baseline": f"{args.baseline} (A)", "candidate": f"{args.candidate} (B)"}
+        # the same variant twice: told apart by the archive each side was built from, where one was given
+        names = {side: f"{getattr(args, side)} ({archives[side].name if archives[side] else ab})"
+                 for side, ab in (("baseline", "A"), ("candidate", "B"))}
     bench_args = list(args.bench_args or DEFAULT_BENCH_ARGS)
     if args.pin_threads:
         given = [a for a in bench_args if a in bench.THREAD_FLAGS]
@@ -229,6 +233,9 @@ def cmd_bench(args) -> int:
         args.bench_args = args.bench_args[1:]
     if args.target_ci and args.max_seconds is None:
         args.max_seconds = DEFAULT_TARGET_SECONDS
+    for flag, archive in (("--baseline-archive", args.baseline_archive), ("--candidate-archive", args.candidate_archive)):
+        if archive is not None and not archive.is_file():
+            raise UserError(f"{flag} {archive}: no such file", "give a `pyllama-moe source pack` archive")
     if args.model:
         model = args.model
     else:
@@ -353,6 +360,10 @@ def register(sub) -> None:
                    help="the candidate's seeding of its expert cache at a prompt's end (as --candidate-env "
                         "LLAMA_MOE_CACHE_SEED=1|0)")
     p.add_argument("--archive-dir", type=Path)
+    p.add_argument("--baseline-archive", type=Path, metavar="F",
+                   help="build the baseline from this `source pack` archive instead of --archive-dir's (e.g. the series "
+                        "before a change, packed at that commit)")
+    p.add_argument("--candidate-archive", type=Path, metavar="F", help="the same for the candidate")
     p.add_argument("--json", type=Path, help="write every sample, interval and setting as JSON (rewritten each round)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then llama-bench arguments "
                    f"(default: {' '.join(DEFAULT_BENCH_ARGS)})")

@@ -117,3 +117,29 @@ def test_llama_bench_reports_the_cache_hit_rate_per_layer_and_repetition(patched
     col = [c.strip() for c in rows[0].split("|")].index("hit%")
     cells = [[c.strip() for c in row.split("|")][col] for row in rows[2:]]
     assert cells[0] == "-" and float(cells[1]) == pytest.approx(100 * small["moe_cache_hit_rate"], abs=0.1)
+
+
+def test_each_side_builds_from_the_archive_it_names(monkeypatch, tmp_path):
+    # the series before a change against the one after: both "patched", each from its own `source pack` archive
+    from pyllama_moe import build as build_mod
+    from pyllama_moe.cli import main
+
+    before, after = tmp_path / "before.tar.gz", tmp_path / "after.tar.gz"
+    before.write_bytes(b"x")
+    after.write_bytes(b"y")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_resolve(variant, backend, **kw):
+        seen.append((variant, kw.get("archive")))
+        if len(seen) == 2:
+            raise Stop
+        return None
+
+    monkeypatch.setattr(build_mod, "resolve", fake_resolve)
+    with pytest.raises(Stop):
+        main(["bench", "--synth", "qwen3moe", "--baseline", "patched", "--candidate", "patched", "--baseline-archive",
+              str(before), "--candidate-archive", str(after), "--archive-dir", str(tmp_path / "unused"), "--", "-n", "1"])
+    assert seen == [("patched", before), ("patched", after)]
