@@ -16,10 +16,16 @@
 #   tg         tg128 with every expert on the host, the Qwen3-30B-A3B shape with routing skew 0.5, the cache at half
 #              the expert bytes (LLAMA_MOE_CACHE_MIB, default 7800 of 16.3 GB) against master, paced, with
 #              intervals; then one llama-completion run for the hit rate of the context's summary line
+#   series-build  the two CUDA builds tg-series compares, at once and detached: this series and the one before a
+#              change (BEFORE_ARCHIVE, default .work/archives/llama.cpp-patched-before.tar.gz, packed at that commit),
+#              llama-bench and the copy probe only; the skew 0.5 model is written meanwhile
+#   tg-series  tg128 at CACHE_MIB (7800: half the expert bytes; 3900: a quarter) with every expert on the host, the
+#              series before as the baseline and this one as the candidate, paced, with intervals: a change to the
+#              cache's safety must leave no row slower (the ratio's lower end at least 0.98)
 #   tg-whole   tg128 with every expert cached (filled whole when made, read in place) as a share of all on the
 #              GPU, the cold first repetition apart; then filled as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), report only
 set -uo pipefail
-step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|tg|tg-whole}
+step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole}
 . "$(dirname "$0")/common.sh"
 CACHE_MIB=${CACHE_MIB:-7800}
 
@@ -70,6 +76,31 @@ pp-master|pp-off|pp-32k|pp)
             --json "$OUT/cache-pp32k-ub2048.json" -- -p 32768 -n 0 -b 2048 -ub 2048 -ngl 99 -ncmoe 48,0 -lm none \
             2>&1 | tee "$OUT/cache-pp32k-ub2048.txt"
     fi
+    ;;
+series-build)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    skew_model > /dev/null 2> "$OUT/skew-model.log" &
+    skew_pid=$!
+    for v in patched before; do
+        archive=$A/llama.cpp-patched.tar.gz
+        [ $v = before ] && archive=${BEFORE_ARCHIVE:-$A/llama.cpp-patched-before.tar.gz}
+        rm -f /tmp/plm-$v.rc
+        setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant patched --archive $archive -j 8 \
+            --targets llama-bench,llama-moe-copy-probe > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" \
+            > /dev/null 2>&1 < /dev/null &
+    done
+    BUILD_VARIANTS="patched before" wait_builds 560
+    wait $skew_pid || echo "the skew 0.5 model was not written (tg-series writes it)"
+    ;;
+tg-series)
+    BUILD_VARIANTS="patched before" wait_builds 60 || exit 1
+    M=$(skew_model) || exit 1
+    BENCH_MODEL=$M bench 560 --baseline patched --candidate patched \
+        --baseline-archive "${BEFORE_ARCHIVE:-$A/llama.cpp-patched-before.tar.gz}" --candidate-archive $A/llama.cpp-patched.tar.gz \
+        --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds 400 \
+        --baseline-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB \
+        --json "$OUT/cache-tg128-series-$CACHE_MIB.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none \
+        2>&1 | tee "$OUT/cache-tg128-series-$CACHE_MIB.txt"
     ;;
 tg)
     wait_builds 60 || exit 1
