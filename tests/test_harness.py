@@ -45,7 +45,7 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         # the host-side plan), and prompts that upload ahead staged through it
         expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole",
                                            "moe-cache-whole-routed", "moe-cache-split-ops", "moe-cache-seed-off",
-                                           "moe-cache-half", "moe-cache-10-slots") else set()
+                                           "moe-cache-half", "moe-cache-10-slots", "moe-cache-poison") else set()
         if knobs == "moe-cache-split-ops":
             assert checks["cache"]["detail"]["decode_path"] == "mixed"
         # parallel sequences: each cached layer's paths against the slots, and the reference they named
