@@ -415,8 +415,8 @@ def expert_layers(model: Path) -> tuple[set[int], int]:
     shards = [model]
     m = re.match(r"(.*)-(\d{5})-of-(\d{5})\.gguf$", Path(model).name)
     if m:
-        shards = [Path(model).with_name(f"{m.group(1)}-{i:05d}-of-{m.group(3)}.gguf")
-                  for i in range(1, int(m.group(3)) + 1)]
+        n = int(m.group(3))
+        shards = [Path(model).with_name(models.shard_name(m.group(1), i, n)) for i in range(1, n + 1)]
     layers = set()
     for shard in shards:
         names = info.tensors if shard == model else read_gguf(shard, check_data=False).tensors

@@ -1901,17 +1901,7 @@ bool llama_moe_cache_graph_ok(llama_moe_cache_rt * rt, ggml_backend_sched_t sche
                     "call fails; the layer's slots start empty again\n", l.il, ggml_backend_dev_name(l.dev));
             // the device's state cannot be trusted: the planner's layer starts empty and is uploaded before the next
             // lookup; the device's counters since the last handover are dropped with it
-            l.state_host.resize(ggml_nelements(l.state));
-            rt->plan->get_state(l.il, l.state_host.data());
-            ggml_moe_cache_state st = ggml_moe_cache_state_flat(l.state_host.data(), l.n_expert, l.n_slots);
-            *st.hand   = 0;
-            *st.n_free = l.n_slots;
-            std::fill(st.slot_of, st.slot_of + l.n_expert, -1);
-            std::fill(st.expert_of, st.expert_of + l.n_slots, -1);
-            std::fill(st.ref, st.ref + l.n_slots, 0);
-            std::string why;
-            const bool emptied = rt->plan->set_state(l.il, l.state_host.data(), why);
-            GGML_ASSERT(emptied && "an empty slot state is consistent");
+            rt->plan->empty(l.il);
             l.state_ahead = rt_layer::STATE_HOST_AHEAD;
             refused = true;
         }

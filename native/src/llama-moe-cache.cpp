@@ -599,13 +599,19 @@ void llama_moe_cache::clear(bool keep_whole) {
         if (keep_whole && whole(l.il)) {
             continue;
         }
-        std::fill(l.slot_of.begin(), l.slot_of.end(), -1);
-        std::fill(l.expert_of.begin(), l.expert_of.end(), -1);
-        std::fill(l.ref.begin(), l.ref.end(), 0);
+        empty(l.il);
         std::fill(l.score.begin(), l.score.end(), 0);
-        l.hand   = 0;
-        l.n_free = l.n_slots;
     }
+}
+
+void llama_moe_cache::empty(int32_t il) {
+    MOE_CACHE_ASSERT(il >= 0 && il < (int32_t) layer_index.size() && layer_index[il] >= 0);
+    llama_moe_cache_layer & l = layers[layer_index[il]];
+    std::fill(l.slot_of.begin(), l.slot_of.end(), -1);
+    std::fill(l.expert_of.begin(), l.expert_of.end(), -1);
+    std::fill(l.ref.begin(), l.ref.end(), 0);
+    l.hand   = 0;
+    l.n_free = l.n_slots;
 }
 
 static bool check_layer(const llama_moe_cache_layer & l, std::string & why);

@@ -234,6 +234,9 @@ struct llama_moe_cache {
     // forget every resident (e.g. after the host weights changed), or those of the layers that are not whole
     // (keep_whole); stats are kept
     void clear(bool keep_whole = false);
+    // layer il's slots all free, its CLOCK hand at 0 (its scores, use counts and stats are kept): a layer whose
+    // device state can no longer be trusted starts afresh
+    void empty(int32_t il);
 
     // slot_of and expert_of agree, counts are consistent; why names the first violation
     bool check(std::string & why) const;

@@ -282,7 +282,7 @@ def _parallel_steps(L, ctx, batch, tokens: list[int], last, n_gen: int, n_par: i
             batch.logits[s] = 1
         rc = L.llama_decode(ctx, batch)
         if rc != 0:
-            raise RuntimeError(f"llama_decode of {n_par} sequences returned {rc}")
+            raise DecodeError(rc, f"llama_decode of {n_par} sequences")
         rows = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_par, n_vocab))
         digest.update(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
         generated.extend(int(t) for t in rows.argmax(axis=1))
