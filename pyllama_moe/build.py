@@ -240,13 +240,13 @@ def find_build(variant: str, backend: str, key: str) -> Build:
 
 
 def resolve(variant: str, backend: str = "cpu", *, sdist: Path | None = None, llama_src: Path | None = None,
-            archive: Path | None = None, make: bool = True, **spec_kwargs) -> Build:
+            archive: Path | None = None, other_series: bool = False, make: bool = True, **spec_kwargs) -> Build:
     """The build of `variant` for the current pin and patch inputs: reused when its key is stamped, else built
     (or, with make=False, a UserError that says how to build it)."""
     from pyllama_moe import packs, source, trees  # late: packs imports this module
 
     if archive is not None:
-        tree = packs.unpack(Path(archive), variant)
+        tree = packs.unpack(Path(archive), variant, other_series=other_series)
     else:
         tree = trees.prepare(source.ensure_source(sdist, llama_src), variant)
     spec = BuildSpec(tree, backend, **spec_kwargs)

@@ -59,8 +59,11 @@ def cmd_build(args) -> int:
 
     targets = tuple(args.targets.split(",")) if args.targets else None
     extra = tuple(args.cmake_arg or ())
+    if args.other_series and args.archive is None:
+        raise UserError("--other-series applies to --archive only", "name the archive to build with --archive")
     built = resolve(args.variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, archive=args.archive,
-                    targets=targets, jobs=args.jobs, cuda_arch=args.cuda_arch, extra_options=extra)
+                    other_series=args.other_series, targets=targets, jobs=args.jobs, cuda_arch=args.cuda_arch,
+                    extra_options=extra)
     print(built.path)
     return 0
 
@@ -104,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-j", "--jobs", type=int)
     p.add_argument("--cuda-arch", default="90-real", help="CMAKE_CUDA_ARCHITECTURES for --backend cuda")
     p.add_argument("--cmake-arg", action="append", metavar="-DNAME=VALUE", help="extra cmake option (part of the key)")
+    p.add_argument("--other-series", action="store_true",
+                   help="accept an --archive packed from another patch series than this checkout's (before/after "
+                        "benchmarks; the build is keyed by the archive's own series)")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("info", help="load a finished build through the checked loader and print what it is")

@@ -131,10 +131,12 @@ def run_bench(args, model: Path) -> str:
     from pyllama_moe.build import resolve
 
     def build(variant: str, archive: Path | None):  # only the tools bench runs, so a bench-only build dir is enough
+        # an archive named for one side may hold another patch series than this checkout's (before/after a change)
+        other_series = archive is not None
         if archive is None and args.archive_dir:
             archive = args.archive_dir / f"llama.cpp-{variant}.tar.gz"
         return resolve(variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, make=not args.no_build,
-                       archive=archive, targets=bench_limits.BENCH_TARGETS[variant])
+                       archive=archive, other_series=other_series, targets=bench_limits.BENCH_TARGETS[variant])
 
     archives = {"baseline": args.baseline_archive, "candidate": args.candidate_archive}
     builds = {side: build(getattr(args, side), archives[side]) for side in ("baseline", "candidate")}

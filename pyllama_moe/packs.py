@@ -85,14 +85,14 @@ def pack(variant: str, out: Path, src: source.Source) -> dict:
     return manifest
 
 
-def _check_manifest(manifest: dict, root: Path, variant: str, archive: Path) -> None:
+def _check_manifest(manifest: dict, root: Path, variant: str, archive: Path, other_series: bool) -> None:
     pin = load_pin()
     fix = f"re-create it with `pyllama-moe source pack --variant {variant}` from this checkout"
     if manifest.get("pin", {}).get("sdist_sha256") != pin.sha256:
         raise UserError(f"archive {archive} was packed from another pin", fix)
     if manifest.get("variant") != variant:
         raise UserError(f"archive {archive} holds the {manifest.get('variant')} tree, not {variant}", fix)
-    if variant == "patched" and manifest.get("patch_inputs") != patches.inputs_digest():
+    if variant == "patched" and not other_series and manifest.get("patch_inputs") != patches.inputs_digest():
         raise UserError(f"archive {archive} was packed from other patches or native/ files than this checkout's", fix)
     _check_files(manifest["files"], root / "llama.cpp", archive, fix)
     _check_files(manifest.get("python_files", {}), root / "python", archive, fix)
@@ -114,7 +114,10 @@ def _check_files(listed: dict, root: Path, archive: Path, fix: str) -> None:
         raise UserError(f"archive {archive}: {len(missing)} files of the manifest are missing (first: {missing[0]})", fix)
 
 
-def unpack(archive: Path, variant: str) -> trees.Tree:
+def unpack(archive: Path, variant: str, *, other_series: bool = False) -> trees.Tree:
+    """The checked tree of `archive`, unpacked once into the cache. A patched archive must hold this checkout's
+    patches and native/ files unless `other_series` (one side of a before/after benchmark); its build key then
+    carries the archive's own patch inputs, so the two series never share a build."""
     archive = Path(archive).resolve()
     if not archive.is_file():
         raise UserError(f"archive {archive} does not exist", f"create it with `pyllama-moe source pack --variant {variant}`")
@@ -132,13 +135,13 @@ def unpack(archive: Path, variant: str) -> trees.Tree:
             except (tarfile.TarError, OSError, ValueError, EOFError) as exc:
                 raise UserError(f"archive {archive} is unreadable ({exc})",
                                 f"copy it again or re-create it with `pyllama-moe source pack --variant {variant}`") from exc
-            _check_manifest(manifest, tmp, variant, archive)
+            _check_manifest(manifest, tmp, variant, archive, other_series)
             (tmp / source.COMPLETE_MARK).write_text(digest + "\n")
             os.replace(tmp, root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     manifest = json.loads((root / MANIFEST).read_text())
-    if variant == "patched" and manifest.get("patch_inputs") != patches.inputs_digest():
+    if variant == "patched" and not other_series and manifest.get("patch_inputs") != patches.inputs_digest():
         raise UserError(f"archive {archive} was packed from other patches or native/ files than this checkout's",
                         f"re-create it with `pyllama-moe source pack --variant {variant}`")
     return trees.Tree(variant, root / "llama.cpp", manifest["source"], manifest["patch_inputs"])

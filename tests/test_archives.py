@@ -1,4 +1,5 @@
 import io
+import json
 import tarfile
 
 import pytest
@@ -76,3 +77,24 @@ def test_a_missing_file_and_a_truncated_archive_are_refused(master_archive, tmp_
     truncated.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
     with pytest.raises(UserError, match="is unreadable"):
         packs.unpack(truncated, "master")
+
+
+def test_a_patched_archive_of_another_series_is_built_only_when_asked(master_archive, tmp_path, monkeypatch):
+    # the series before a change, benchmarked against this one: refused by default, so a stale archive is never
+    # taken for this checkout's; accepted with other_series, keyed by its own patch inputs
+    monkeypatch.setenv("PYLLAMA_MOE_HOME", str(tmp_path / "home"))
+    archive, _ = master_archive
+    other = tmp_path / "other-series.tar.gz"
+
+    def change(member, data):
+        if member.name == packs.MANIFEST:
+            manifest = json.loads(data)
+            manifest.update(variant="patched", patch_inputs="another-series")
+            data = json.dumps(manifest).encode()
+        return member, data
+
+    _rewrite(archive, other, change)
+    with pytest.raises(UserError, match="other patches or native/ files"):
+        packs.unpack(other, "patched")
+    tree = packs.unpack(other, "patched", other_series=True)
+    assert tree.inputs == "another-series"

@@ -82,10 +82,10 @@ series-build)
     skew_model > /dev/null 2> "$OUT/skew-model.log" &
     skew_pid=$!
     for v in patched before; do
-        archive=$A/llama.cpp-patched.tar.gz
-        [ $v = before ] && archive=${BEFORE_ARCHIVE:-$A/llama.cpp-patched-before.tar.gz}
+        archive=$A/llama.cpp-patched.tar.gz other=
+        [ $v = before ] && archive=${BEFORE_ARCHIVE:-$A/llama.cpp-patched-before.tar.gz} other=--other-series
         rm -f /tmp/plm-$v.rc
-        setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant patched --archive $archive -j 8 \
+        setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant patched --archive $archive $other -j 8 \
             --targets llama-bench,llama-moe-copy-probe > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" \
             > /dev/null 2>&1 < /dev/null &
     done
