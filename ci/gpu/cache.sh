@@ -93,11 +93,12 @@ series-build)
     wait $skew_pid || echo "the skew 0.5 model was not written (tg-series writes it)"
     ;;
 tg-series)
+    MAX_S=${MAX_S:-400}
     BUILD_VARIANTS="patched before" wait_builds 60 || exit 1
     M=$(skew_model) || exit 1
-    BENCH_MODEL=$M bench 560 --baseline patched --candidate patched \
+    BENCH_MODEL=$M bench $((MAX_S + 160)) --baseline patched --candidate patched \
         --baseline-archive "${BEFORE_ARCHIVE:-$A/llama.cpp-patched-before.tar.gz}" --candidate-archive $A/llama.cpp-patched.tar.gz \
-        --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds 400 \
+        --paced --pin-threads --warmup-rounds 1 --reps 4 --discard 1 --rounds 4 --max-seconds ${MAX_S:-400} \
         --baseline-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB \
         --json "$OUT/cache-tg128-series-$CACHE_MIB.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none \
         2>&1 | tee "$OUT/cache-tg128-series-$CACHE_MIB.txt"

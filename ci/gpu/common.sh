@@ -47,6 +47,7 @@ make_bench_model() { # the 30B-shaped Q4_0 model (17 GB), unless it is there; no
 
 skew_model() { # the Qwen3-30B-A3B shape with routing skew 0.5, written once
     local m=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0-skew0.5.gguf
+    mkdir -p "$PYLLAMA_MOE_HOME"  # synth refuses an output folder that does not exist; the builds may not have made it yet
     if [ ! -f "$m" ]; then
         python3 -m pyllama_moe synth --preset qwen3-30b-a3b --type q4_0 --seed 7 --skew 0.5 -o "$m.partial" --quiet \
             < /dev/null >&2 && mv "$m.partial" "$m" >&2 || return 1
