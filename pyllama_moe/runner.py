@@ -46,6 +46,9 @@ class RunSpec:
     # after the N-th lookup of the generation (that token is then decoded again), {"read_counters": True} reads the
     # cache's counters at every lookup; mode_logits.py
     lookup_callback: dict | None = None
+    # an eval callback that calls llama_synchronize when the tensor of this name was computed (a debugger's
+    # mid-graph synchronization); mode_logits.py
+    sync_callback: str | None = None
     contexts: int = 1  # > 1: that many contexts on the model decode at once (RunResult.contexts; mode_logits.py)
     # expert cache caps per device name in MiB, as --fit sets them (llama_moe_default_set_moe_cache_device_cap_mib),
     # set before the context(s) are made (patched builds)
@@ -124,6 +127,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
             req["cpu_moe_layers"] = list(spec.cpu_moe_layers)
         if spec.retry_failed_decode:
             req["retry_failed_decode"] = spec.retry_failed_decode
+        if spec.sync_callback:
+            req["sync_callback"] = spec.sync_callback
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None

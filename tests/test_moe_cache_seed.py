@@ -206,3 +206,19 @@ def test_first_tokens_times_the_tokens_after_a_prompt_per_setting(patched_build,
     assert "| on |" in table and "| off |" in table and "(one round: no interval)" in table
     with pytest.raises(first_tokens.UserError, match="is not VAR=VALUE"):
         first_tokens.parse_setting("on=LLAMA_MOE_CACHE_SEED")
+
+
+def test_a_user_callback_that_synchronizes_mid_graph_leaves_the_seed_waited_for(patched_build, src, model, reference):
+    # From the cold read of the scheduler: a user's eval callback that calls llama_synchronize inside the seeding
+    # graph drained the copy queues and marked them idle; the seed copies queued after it (the last layer's, issued
+    # once its last staged piece is in, after the scheduler queued its last upload) were then not waited for by the
+    # scheduler's later synchronizations, the seed check's among them. With 20 ms copies, a build without the fix
+    # reports 4 of the 20 seeded slots differing from the host here; the fix keeps the queues counted as busy while
+    # the graph computes
+    env = {"GGML_SIM_COPY_LATENCY_US": "20000"}
+    cb = f"ffn_moe_topk-{N_LAYERS - 1}"
+    got = _run(patched_build, src, model, env={**env, "LLAMA_MOE_CACHE_DEBUG_CHECK_SEED": "1"}, sync_callback=cb)
+    assert _prompt(got)["n_seeded"] > 0
+    assert _check_line() in got.log, [line for line in got.log.splitlines() if "seed check" in line]
+    plain = _run(patched_build, src, model, env=env, sync_callback=cb)
+    _same(plain, reference)

@@ -41,8 +41,9 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         n_par = int(req.get("parallel") or 1)
         keep_cb = None
         watch = _LookupWatch(L, lib_dir, req["lookup_callback"]) if req.get("lookup_callback") else None
-        if watch and req.get("eval_callback"):
-            raise RuntimeError("a request takes one eval callback: \"eval_callback\" or \"lookup_callback\", not both")
+        if sum(bool(req.get(k)) for k in ("eval_callback", "lookup_callback", "sync_callback")) > 1:
+            raise RuntimeError("a request takes one eval callback: \"eval_callback\", \"lookup_callback\" or "
+                               "\"sync_callback\"")
         if n_par > 1 and (watch or req.get("warm_tokens")):
             raise RuntimeError("\"parallel\" decodes every sequence at once: it takes no \"lookup_callback\" or "
                                "\"warm_tokens\"")
@@ -52,11 +53,16 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         elif watch:
             keep_cb = cp.cb_eval = watch.callback
             cp.cb_eval_user_data = None
+        ctx_of_sync: list = []
+        if req.get("sync_callback"):
+            keep_cb = cp.cb_eval = _sync_callback(L, lib_dir, req["sync_callback"], ctx_of_sync)
+            cp.cb_eval_user_data = None
         if req.get("moe_cache_caps"):
             _set_cache_caps(lib_dir, req["moe_cache_caps"])
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
+        ctx_of_sync.append(ctx)
         if req.get("chdir_after_context"):
             os.chdir(req["chdir_after_context"])
         moe = _MoeApi(lib_dir, ctx) if (req.get("stats") or req.get("prefetch") or req.get("moe_cache_mib") is not None
@@ -439,6 +445,25 @@ class _LookupWatch:
             return False
         self.stopped, self.stopped_at_step = False, step
         return True
+
+
+def _sync_callback(L, lib_dir: Path, name: str, ctx_holder: list):
+    """An eval callback that calls llama_synchronize on the context when the tensor `name` was computed, as a
+    debugger or a tensor dump does mid-graph: whatever the graph queues after that point must still be waited for by
+    the context's later synchronizations. ctx_holder: the context, once it exists."""
+    ggml = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    target = name.encode()
+
+    def cb(tensor, ask, _user):
+        if ggml.ggml_get_name(tensor) != target:
+            return not ask  # nothing asked for; observed nodes go on
+        if not ask and ctx_holder:
+            L.llama_synchronize(ctx_holder[0])
+        return True
+
+    return L.ggml_backend_sched_eval_callback(cb)
 
 
 def _eval_callback(L, every: int):
