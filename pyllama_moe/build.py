@@ -34,10 +34,31 @@ DEFAULT_TARGETS = ("llama", "llama-bench", "llama-perplexity", "llama-completion
 PATCHED_ONLY_TARGETS = ("llama-moe-copy-probe",)  # tools the patch series adds (bench --pcie-bound)
 COMMON_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF", "-DGGML_CCACHE=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=ON",
-    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    # llama-server and llama-cli are configured in every build (one build dir serves the harness and a user's
+    # tools; only the targets asked for are compiled), with the web UI built from the tree, never downloaded
+    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
 CUDA_OPTIONS = ("-DGGML_CUDA=ON", "-DGGML_CUDA_FA_QUANTS=f16-f16", "-DGGML_CUDA_NCCL=OFF")
+
+
+def native_cuda_arch() -> str:
+    """The architectures of the GPUs present, as CMAKE_CUDA_ARCHITECTURES (e.g. "86-real;90-real"): what llama.cpp's
+    own CMake builds for by default ("native"), spelled out so that the build key says which GPU it was built for."""
+    smi = shutil.which("nvidia-smi")
+    fix = "pass --cuda-arch for the GPU that will run it (e.g. 86-real for an RTX 3090/A10, 89-real for an RTX 4090, " \
+          "90-real for an H100/H200; several: \"86-real;90-real\")"
+    if smi is None:
+        raise UserError("--backend cuda builds for the GPU present by default, but nvidia-smi is not on PATH", fix)
+    out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True)
+    caps = sorted({line.strip() for line in out.stdout.splitlines() if re.fullmatch(r"\d+\.\d+", line.strip())},
+                  key=lambda c: tuple(int(x) for x in c.split(".")))
+    if out.returncode != 0 or not caps:
+        raise UserError("--backend cuda builds for the GPU present by default, but nvidia-smi reports no GPU", fix)
+    arch = ";".join(f"{c.replace('.', '')}-real" for c in caps)
+    say(f"CUDA architecture: {arch} (the GPU present; --cuda-arch chooses another)")
+    return arch
 
 
 def default_targets(variant: str) -> tuple[str, ...]:
@@ -48,7 +69,7 @@ def default_targets(variant: str) -> tuple[str, ...]:
 class BuildSpec:
     tree: Tree
     backend: str = "cpu"
-    cuda_arch: str = "90-real"
+    cuda_arch: str = "native"  # CMAKE_CUDA_ARCHITECTURES; "native": the GPUs present, resolved for the key
     extra_options: tuple[str, ...] = ()
     targets: tuple[str, ...] | None = None  # None: default_targets(variant)
     jobs: int | None = None
@@ -56,6 +77,8 @@ class BuildSpec:
     def __post_init__(self) -> None:
         if self.targets is None:
             self.targets = default_targets(self.tree.variant)
+        if self.backend == "cuda" and self.cuda_arch == "native":
+            self.cuda_arch = native_cuda_arch()
 
     def options(self) -> list[str]:
         opts = list(COMMON_OPTIONS)

@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_build_args(p)
     p.add_argument("--targets", help="comma-separated ninja targets (default: libllama and the harness tools)")
     p.add_argument("-j", "--jobs", type=int)
-    p.add_argument("--cuda-arch", default="90-real", help="CMAKE_CUDA_ARCHITECTURES for --backend cuda")
+    p.add_argument("--cuda-arch", default="native",
+                   help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native, the GPUs present, as llama.cpp's "
+                        "CMake; e.g. 86-real, 89-real, 90-real to build for another)")
     p.add_argument("--cmake-arg", action="append", metavar="-DNAME=VALUE", help="extra cmake option (part of the key)")
     p.add_argument("--other-series", action="store_true",
                    help="accept an --archive packed from another patch series than this checkout's (before/after "

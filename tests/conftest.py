@@ -27,8 +27,8 @@ def patched_build(src):
 
 @pytest.fixture(scope="session")
 def server_build(src):
-    """The patched CPU build of llama-server (not among the default targets: a build of its own)."""
-    return resolve("patched", "cpu", targets=("llama-server",), extra_options=("-DLLAMA_BUILD_SERVER=ON",))
+    """The patched CPU build with llama-server (not among the default targets: compiled into the same build dir)."""
+    return resolve("patched", "cpu", targets=("llama-server",))
 
 
 @pytest.fixture(scope="session")

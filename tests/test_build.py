@@ -31,7 +31,34 @@ def test_cuda_backend_without_nvcc_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr("pyllama_moe.build.tool_path", lambda name: "/usr/bin/cmake")
     monkeypatch.setattr("pyllama_moe.build._first_line", lambda cmd: "some compiler 1.0")
     with pytest.raises(UserError, match="--backend cuda needs nvcc"):
-        build_key(BuildSpec(Tree("master", tmp_path, "pin:x", ""), backend="cuda"))
+        build_key(BuildSpec(Tree("master", tmp_path, "pin:x", ""), backend="cuda", cuda_arch="90-real"))
+
+
+def _fake_smi(folder, body):
+    smi = folder / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + body + "\n")
+    smi.chmod(0o755)
+
+
+def test_a_cuda_build_is_for_the_gpus_present_unless_told(tmp_path, monkeypatch):
+    # llama.cpp's own CMake builds for the GPU present ("native"); the key must say which, so it is spelled out
+    monkeypatch.setenv("PATH", str(tmp_path))
+    _fake_smi(tmp_path, "printf '9.0\\n8.6\\n9.0\\n'")
+    tree = Tree("master", tmp_path, "pin:x", "")
+    assert BuildSpec(tree, backend="cuda").cuda_arch == "86-real;90-real"
+    assert "-DCMAKE_CUDA_ARCHITECTURES=86-real;90-real" in BuildSpec(tree, backend="cuda").options()
+    assert BuildSpec(tree, backend="cuda", cuda_arch="89-real").cuda_arch == "89-real"
+    assert BuildSpec(tree).cuda_arch == "native"  # a CPU build asks nothing of nvidia-smi
+
+
+@pytest.mark.parametrize("smi", [None, "exit 9", "echo 'No devices were found'"])
+def test_no_gpu_to_build_for_names_the_flag(tmp_path, monkeypatch, smi):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    if smi is not None:
+        _fake_smi(tmp_path, smi)
+    with pytest.raises(UserError, match="builds for the GPU present by default") as err:
+        BuildSpec(Tree("master", tmp_path, "pin:x", ""), backend="cuda")
+    assert "--cuda-arch" in err.value.fix
 
 
 def test_failed_build_leaves_other_builds_alone(tmp_path, patched_build, master_build, monkeypatch):
