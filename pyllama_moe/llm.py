@@ -97,6 +97,10 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
         raise UserError(f"the {moe.build.variant} build has no expert cache seeding", "use_build('patched', ...)")
     if moe_cache_profile is not None and "llama_moe_default_set_moe_cache_profile" not in dir(moe):
         raise UserError(f"the {moe.build.variant} build has no expert cache profiles", "use_build('patched', ...)")
+    if moe_cache_mib and moe.build.backend == "cpu" and not os.environ.get("GGML_SIM_DEVICES"):
+        # the library says so in its log too, but Llama hides that unless verbose
+        sys.stderr.write(f"pyllama_moe: the expert cache needs a GPU: this {moe.build.backend} build runs without it "
+                         "(cache_stats reports no lookups); build with --backend cuda and use_build(..., 'cuda')\n")
     overrides, patterns = cpu_overrides({"cpu_moe": cpu_moe, "n_cpu_moe": n_cpu_moe}, moe.build.bin_dir)
     with _loading, _model_params_with(overrides) if overrides is not None else contextlib.nullcontext():
         previous = moe.llama_moe_default_get_moe_cache_mib() if moe_cache_mib is not None else None

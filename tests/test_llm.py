@@ -25,13 +25,24 @@ print(json.dumps({"text": out["choices"][0]["text"], "stats": llm.cache_stats(mo
 """
 
 
-def _generate(tiny_model, cache_mib: int) -> dict:
+def _generate(tiny_model, cache_mib: int, sim: bool = True, stderr: list | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_CPP_LIB"))}
-    env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1")
+    if sim:
+        env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model), str(cache_mib)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_cache_asked_of_a_cpu_build_says_it_needs_a_gpu(patched_build, tiny_model):
+    # the README's example on a CPU build: it runs, and says why the hit rate it prints is None
+    err: list = []
+    got = _generate(tiny_model, 2, sim=False, stderr=err)
+    assert got["stats"]["decode"]["hit_rate"] is None and len(got["text"]) > 0
+    assert "the expert cache needs a GPU" in err[0] and "--backend cuda" in err[0]
 
 
 def test_llama_with_the_expert_cache_generates_what_it_does_without(patched_build, tiny_model):
