@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Thread-sanitizer check of the SIM device and the scheduler on a few sim cells (issue 3; by hand, not in CI).
+# Thread-sanitizer check of the SIM device and the scheduler on a few sim cells (by hand, not in CI).
 #
 #   pyllama-moe build --variant patched --cmake-arg=-DGGML_SANITIZE_THREAD=ON --cmake-arg=-DLLAMA_SANITIZE_THREAD=ON \
 #       --cmake-arg=-DGGML_OPENMP=OFF --targets llama-perplexity,llama-completion
@@ -33,7 +33,7 @@ for devices in 1 2; do
    done
   done
 done
-# the expert cache (issue 12): the prompt's ubatches of 128 tokens upload ahead (mode 2), the cache staging their
+# the expert cache: the prompt's ubatches of 128 tokens upload ahead (mode 2), the cache staging their
 # experts on the copy queue from the banks and the host (the scheduler's fill callback, on the thread that queues the
 # splits); then decode reads the banks, the eval callback reads the router's ids back and uploads misses and the slot
 # map on the SIM stream while its compute thread runs; 64 generated tokens evicting every token. At 16 MiB (a slot

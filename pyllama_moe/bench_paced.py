@@ -71,7 +71,7 @@ def _turns(order: tuple[str, ...], rep: int, chunked: bool) -> tuple[str, ...]:
     runs right after a chunk of the other build: with A B B A chunks, a build's chunk sometimes ran right after
     its own (its data still in the CPU caches), the second build of the round twice as often as the first; on
     the GPU machine the candidate's ratio was 0.6-0.9% higher in rounds where it ran second than in rounds
-    where it ran first, in all three tg128 runs of the third session (results/gpu-bench-stats.md). Which build
+    where it ran first, in all three tg128 runs that results/gpu-bench-stats.md records. Which build
     leads still alternates by round (bench's ABBA order), and a target stops a run only after an even number of
     rounds, so what is left of an order effect cancels."""
     return order if chunked or rep % 2 == 0 else order[::-1]

@@ -311,7 +311,7 @@ def _float_or_none(text: str | None) -> float | None:
 def pin_check(log: str, budget_mib: float | None = None) -> Check:
     """Every host expert the device uploads from the mapped file was page-locked in place: the line that says so,
     and no other (a partial registration, a copy or a refusal has its own words). With a split GGUF, a range
-    merged across two shards' mappings spanned a hole and every expert fell back to a copy (issue 11, item 2).
+    merged across two shards' mappings spanned a hole and every expert fell back to a copy.
     Under a pin budget (the pin-budget knob), no more than the budget is page-locked: part of the ranges, none
     where the first range alone is larger (glm4moe's with `-ngl 2`), or all of them where they fit in it (the
     3.41 MiB range of qwen3moe's two host layers under 4 MiB, which the first CUDA run of the knob flagged)."""

@@ -1,6 +1,6 @@
 """`pyllama-moe first-tokens`: how fast the first tokens after a prompt decode against the steady rate, per setting.
 
-Issue 14's target: the first 16 tokens decoded after a 4096-token prompt within 10% of the steady rate with the
+The target: the first 16 tokens decoded after a 4096-token prompt within 10% of the steady rate with the
 expert cache's seeding on, and reported with it off. One paced driver (tools/paced-bench) per setting, all loaded at
 once in a round; each repetition runs, for each setting in turn: `moe-cache-reset` (a fresh cache, as a new process
 has: else the last repetition's decode would have warmed it), `pp P` (the prompt), `tg-more F` (the first F tokens

@@ -1,4 +1,4 @@
-"""Expert cache profiles (issue 14): the GGUF file that a patched build writes with --moe-cache-profile FILE
+"""Expert cache profiles: the GGUF file that a patched build writes with --moe-cache-profile FILE
 (LLAMA_MOE_CACHE_PROFILE), read with the `gguf` package.
 
 The file (native/src/llama-moe-cache-profile.h, version 1): keys `pyllama_moe.profile.*` (format, version, arch,

@@ -1,4 +1,4 @@
-"""--fit with the expert cache (issue 14, item 3): with a cache asked for and a model that does not fit, --fit gives each
+"""--fit with the expert cache: with a cache asked for and a model that does not fit, --fit gives each
 device's room to the cache first (every expert on the host), whole layers the rest, and no device ends below its
 target.
 

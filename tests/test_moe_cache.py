@@ -1,4 +1,4 @@
-"""The MoE expert cache's host-side bookkeeping (issue 12, first slice), on its own.
+"""The MoE expert cache's host-side bookkeeping, on its own.
 
 native/src/llama-moe-cache.{h,cpp} has no llama.cpp or ggml dependency, so its test program
 (tests/native/test_moe_cache.cpp) is compiled here with just a C++ compiler, no build: bank sizing, the decode

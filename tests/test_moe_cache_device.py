@@ -1,4 +1,4 @@
-"""The expert cache's decode on the device (issue 13), on SIM: the lookup and the fills of the misses run as graph ops
+"""The expert cache's decode on the device, on SIM: the lookup and the fills of the misses run as graph ops
 (GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL), with no routing read back, and compute what the host-side plan
 and the host weights compute; the slot state goes back and forth between the planner and the device; where the
 device cannot read the host experts in place decode keeps the host-side plan and the context says why."""
@@ -180,7 +180,7 @@ def test_a_stop_in_a_graph_that_mixes_device_lookups_and_host_plans_leaves_no_st
     assert got.generated == reference.generated and got.decode_logits_sha256 == reference.decode_logits_sha256
 
 
-# From the cold read of the fill whole (tenth session): a cache whose first layers have a slot per expert and whose
+# Where filling whole meets the device lookup: a cache whose first layers have a slot per expert and whose
 # last ones one slot fewer (the sizing hands the remainder out in layer order). The tiny qwen3moe with 12 layers:
 # 19 MiB gives 190 of its 192 expert slots, so layers 0-9 are filled whole and layers 10-11 look up on the device
 DEEP_LAYERS, DEEP_MIB = 12, 19
@@ -211,7 +211,7 @@ def test_a_stop_after_a_lookup_keeps_the_layers_filled_whole(patched_build, src,
 
 
 def test_a_device_without_the_lookup_ops_keeps_the_host_plan_for_its_group_alone(patched_build, src, model):
-    # issue 14, item 4: two SIM devices (llama.cpp places 3 of the 4 layers on SIM0, 1 and the output on SIM1), the
+    # two SIM devices (llama.cpp places 3 of the 4 layers on SIM0, 1 and the output on SIM1), the
     # experts on the host, the cache on both at 2 MiB: SIM0's layers 6-7 slots each, SIM1's one layer 16, filled as
     # routed (else it would be read in place and never looked up). SIM0 lacks the lookup ops (GGML_SIM_NO_CACHE_OPS=0,
     # as a backend without them). Each device has its own group: SIM0's layers keep the host-side plan, SIM1's looks

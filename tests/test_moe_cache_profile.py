@@ -1,4 +1,4 @@
-"""Expert cache profiles (issue 14, item 2), on SIM: LLAMA_MOE_CACHE_PROFILE=FILE (--moe-cache-profile) writes per-layer
+"""Expert cache profiles, on SIM: LLAMA_MOE_CACHE_PROFILE=FILE (--moe-cache-profile) writes per-layer
 expert use counts when the context is freed and, where the file exists and was made for the model, fills the cache
 from it when it is made. A profile of another model, a corrupt one or one of another version is refused with one
 line and changes nothing, the file included. The logits are those of the cache off in every case: only what is

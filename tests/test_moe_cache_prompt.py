@@ -1,4 +1,4 @@
-"""The expert cache's prompt path (issue 12, item 2), on SIM: a prompt ubatch that uploads host weights ahead lets
+"""The expert cache's prompt path, on SIM: a prompt ubatch that uploads host weights ahead lets
 the cache write the staged copies of its layers' experts, copying the residents from the banks and uploading only
 the others, and filling free slots with what it uploaded. The computation reads the staged copies, so the logits are
 those of the cache off; what moved over which path is in the prompt counters. A cache with a slot per expert holds

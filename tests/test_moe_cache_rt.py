@@ -1,4 +1,4 @@
-"""The expert cache in llama.cpp (issue 12), on SIM: decode reads the banks and computes what the host weights
+"""The expert cache in llama.cpp, on SIM: decode reads the banks and computes what the host weights
 compute, the counters through cffi agree with the log, and the cases where no cache is made say why."""
 from __future__ import annotations
 

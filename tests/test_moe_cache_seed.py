@@ -1,4 +1,4 @@
-"""Seeding the expert cache at a prompt's end (issue 14, item 1), on SIM: the last ubatch of a decode call that
+"""Seeding the expert cache at a prompt's end, on SIM: the last ubatch of a decode call that
 uploads its experts ahead reads each cached layer's routing back and copies the experts of the highest scores from
 the staged copies into the slots, so that the first decode tokens hit. The logits are those of the cache off in
 every case; what changes is what is resident, and it shows in the counters.

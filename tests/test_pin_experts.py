@@ -1,4 +1,4 @@
-"""Pinned host experts (issue 4, item 5) on the SIM device.
+"""Pinned host experts on the SIM device.
 
 A model loaded with mmap and its experts on the host registers the mapped expert range with the GPU
 (SIM implements the same ggml_backend_host_map proc as CUDA and logs each call); when registration fails
@@ -102,7 +102,7 @@ def test_no_room_for_a_copy_leaves_experts_pageable(patched_build, src, model, p
     assert got.logits_sha256 == pin_off.logits_sha256 and got.generated == pin_off.generated
 
 
-# issue 11, item 1: experts larger than the memory a process may lock
+# experts larger than the memory a process may lock
 PARTIAL = "of expert ranges registered with SIM0 (page-locked in place: "
 NONE_FITS = "expert weights left pageable: not one range of them fits the"
 
@@ -274,7 +274,7 @@ def test_no_pin_experts_flag_turns_it_off(patched_build, model):
     assert on.returncode == 0 and REGISTERED in on.stderr, on.stderr[-3000:]
 
 
-# issue 11, item 2: split GGUF files. llama.cpp keeps one mapping per shard and unmaps each shard's head
+# split GGUF files. llama.cpp keeps one mapping per shard and unmaps each shard's head
 # (metadata) and tail (weights of GPU layers); shards mapped one below the other are a few pages apart, so a
 # range merged across two of them spans a hole, which cudaHostRegister (and SIM) refuse.
 SPLIT = "qwen3moe-split"
@@ -362,7 +362,7 @@ def test_a_split_model_pins_what_the_single_file_pins(patched_build, src, model,
     one, split = tmp_path / "one.jsonl", tmp_path / "split.jsonl"
     single = _run(patched_build, src, model, {"GGML_SIM_OPLOG": str(one)})
     got = _run(patched_build, src, split_model, {"GGML_SIM_OPLOG": str(split)})
-    # on the series before issue 11 item 2, a range merged across shards hit a hole, SIM refused it, and every
+    # before ranges were kept within a shard, a range merged across shards hit a hole, SIM refused it, and every
     # expert was copied instead ("copied into pinned memory ... registration with SIM0 failed")
     assert REFUSED not in got.log and got.log.count("llama_moe: ") == 1, _pin_lines(got.log)
     assert _pinned_expert_mib(got.log) == _pinned_expert_mib(single.log)

@@ -73,7 +73,8 @@ POISON_THEN_SMALL = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SCHED_PREFETC
     # slow computes, fast copies: an upload that does not wait for the previous graph lands under its last read
     # (poison off: SIM's poison fill of newly allocated tensors waits for the device, which would hide it)
     ("small-then-large", {"GGML_SIM_COPY_LATENCY_US": "0", "GGML_SIM_COMPUTE_LATENCY_US": "300000", "GGML_SIM_POISON": "0"}),
-    # issue 10: the retries of one procedure (each aborted, computed wrong or shrank the wrong arena before it)
+    # staging shrunk when memory runs short: the retries of one procedure (each aborted, computed wrong or shrank
+    # the wrong arena before it)
     ("reserve-then-larger", {"GGML_SIM_MEMORY_MIB": "1.35"}),  # two splits' staging does not fit next to the larger graph: dropped
     ("headroom-at-alloc", {}),
     ("other-buffer-fails", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "2"}),
@@ -83,7 +84,7 @@ POISON_THEN_SMALL = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SCHED_PREFETC
     ("headroom-later", {"GGML_SIM_MEMORY_MIB": "64"}),
     ("small-only", {}),
     ("meta-input", {"GGML_SIM_DEVICES": "2"}),  # --split-mode tensor: aborted in the meta backend's async setter
-    # issue 11, item 3: staging in bytes, a ring over the splits' copies (each failed on the series before it)
+    # staging in bytes, a ring over the splits' copies (each failed on the series before it)
     ("mixed-sizes", {"GGML_SIM_MEMORY_MIB": "6"}),  # 8 MiB of slots do not fit, the 4.5 MiB ring does: not reduced
     ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "5"}),  # a budget below depth x largest split, 4 ahead still
     ("mixed-sizes", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),  # below the largest split: raised to it (said once), lookahead 1: dropped
@@ -97,7 +98,7 @@ POISON_THEN_SMALL = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SCHED_PREFETC
     ("headroom-other-device", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "64"}),
     ("one-split", {"GGML_SCHED_PREFETCH_STAGING_MIB": "1"}),
     ("poison-then-small", POISON_THEN_SMALL),
-    # issue 12: the copy callbacks (the expert cache writes its experts' staged copies); cleared or replaced after an
+    # the copy callbacks (the expert cache writes its experts' staged copies); cleared or replaced after an
     # allocation, the computes of that allocation must not call the old fill (the cold read found a NULL call)
     ("copy-callbacks", {}),
     ("copy-at-split", {}),
@@ -324,8 +325,8 @@ def test_all_on_device_says_there_is_nothing_to_prefetch(patched_build, src, qwe
 
 
 def test_small_ubatches_get_no_staging_and_say_why(patched_build, master_build, src, qwen3moe):
-    """n_ubatch below the min batch: nothing is ever uploaded ahead, so no staging slots are allocated (issue 10,
-    item 4), the reservation says why, and the logits are master's at the same ubatch."""
+    """n_ubatch below the min batch: nothing is ever uploaded ahead, so no staging slots are
+    allocated, the reservation says why, and the logits are master's at the same ubatch."""
     env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
     res = runner.run(patched_build, src, _spec(*qwen3moe, ubatch=64, env=env, stats=True))
     assert res.logits_sha256 == runner.run(master_build, src, _spec(*qwen3moe, ubatch=64)).logits_sha256
@@ -429,7 +430,7 @@ def test_fit_places_the_same_layers_with_the_prefetch_on(patched_build, qwen3moe
 
 
 def test_staging_budget_through_llama_moe(patched_build, src, qwen3moe, master_ub512):
-    """The staging budget (issue 11, item 3) reaches the scheduler through the per-context setter, which beats the
+    """The staging budget reaches the scheduler through the per-context setter, which beats the
     environment; the reservation line gives the staging in bytes, its budget and the lookahead it allows; a budget
     under what depth 4 takes holds less staging and still uploads ahead, with master's logits (2 MiB: 1 MiB would keep
     uploads only 1 split ahead of the 0.53 MiB splits, which drops the prefetch)."""

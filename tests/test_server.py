@@ -1,4 +1,4 @@
-"""llama-server with the expert cache (issue 14, item 8), on one SIM device with every expert on the host and 4
+"""llama-server with the expert cache, on one SIM device with every expert on the host and 4
 parallel slots: a fixed set of prompts sent one after the other completes as with the cache off, sent at once all
 complete, and the cache's summary at exit counts hits. The server is built in a build of its own (llama-server is
 not among the harness's default targets)."""

@@ -187,8 +187,8 @@ def test_json_keeps_every_sample_and_the_table_shows_intervals(tmp_path):
 
 
 def test_a_narrow_interval_on_too_few_rounds_says_so_instead_of_not_converged(tmp_path):
-    """Four rounds within the target: the table names the rounds a target counts, not "(not converged)" (the
-    fourth GPU session's 4-round planted and self runs read "not converged" at +/-0.8% and +/-1.1%)."""
+    """Four rounds within the target: the table names the rounds a target counts, not "(not converged)" (4-round
+    planted and self runs on the GPU machine read "not converged" at +/-0.8% and +/-1.1%)."""
     base = _fake_build(tmp_path, "a", _drifting(10, [0.0, 0.001]))
     cand = _fake_build(tmp_path, "b", _drifting(10, [0.001, -0.001]))
     result = bench.ab_bench({"baseline": base, "candidate": cand}, _plan(tmp_path, rounds=4, reps=3))

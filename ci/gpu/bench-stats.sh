@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 9 on the GPU machine: benchmarks whose intervals can see a 3% difference on decode, on the
-# Qwen3-30B-A3B-shaped Q4_0 model with every expert in host memory.
+# Benchmark statistics on the GPU machine: intervals that can see a 3% difference on decode, on the
+# Qwen3-30B-A3B-shaped Q4_0 model with every expert in host memory (ci/gpu/run.sh names the steps stats-STEP).
 #
 # Prepare on the CPU machine (as for prefetch.sh):
 #   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz
@@ -13,8 +13,9 @@
 #   planted   patched vs patched with LLAMA_MOE_DEBUG_SLOWDOWN_PCT=5 in the candidate: the interval must
 #             exclude 1.0
 #   self      master vs master, paced, the same budget: the interval must contain 1.0
-#   rows      the prefetch rows of issue 4 with intervals: pp4096 ub 2048/4096 with host experts against all
+#   rows      the host-weight prefetch's prompt rows with intervals: pp4096 ub 2048/4096 with host experts against all
 #             on the GPU (--limit-row) and the PCIe bound, mmap against -lm none
+#   rows-mmap   pp4096 ub 2048, mmap against -lm none (also the end of rows)
 #   rows-short  pp512 and tg128 with host experts against all on the GPU
 # or all of them as one detached pipeline that keeps the GPU busy between device calls, repeating
 #   follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
@@ -22,7 +23,7 @@
 # Threads: --pin-threads (one compute thread pinned per CPU but one: results/gpu-bench-stats.md says why).
 # REPS: repetitions per build and paced round (default 4: the process effect, not the repetition, dominates). Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: bench-stats.sh build|study|target|planted|self|rows|rows-short|all|follow}
+step=${1:?usage: bench-stats.sh build|study|target|planted|self|rows|rows-mmap|rows-short|all|follow}
 . "$(dirname "$0")/common.sh"
 PIPE=/tmp/plm-bench-pipeline
 export TARGETS_master=llama-bench TARGETS_patched=llama-bench,llama-moe-copy-probe

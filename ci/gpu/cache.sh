@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The expert cache on the GPU machine (prompts staged through it, decode with a host-side plan) on CUDA. Prepare on the CPU machine as
-# prefetch.sh says; the steps run after `prefetch.sh build` (or in ci/gpu/open-issues.sh):
+# prefetch.sh says; the steps run after `prefetch.sh build` (ci/gpu/run.sh names them cache-STEP):
 #   identity   compare --subset moe-cache --backend cuda: the cache's CUDA cells (the SIM ones and the stale-slot
 #              control run in CI), every check byte for byte against master with every weight on the GPU; then
 #              --subset moe-cache-parallel: steps of 2 to 12 sequences, each against the master run its cached layers'
@@ -24,8 +24,10 @@
 #              cache's safety must leave no row slower (the ratio's lower end at least 0.98)
 #   tg-whole   tg128 with every expert cached (filled whole when made, read in place) as a share of all on the
 #              GPU, the cold first repetition apart; then filled as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), report only
+#   tg-whole-mmap  tg-whole's comparison with -lm mmap (the experts registered in place instead of read into pinned
+#              buffers)
 set -uo pipefail
-step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole}
+step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap}
 . "$(dirname "$0")/common.sh"
 CACHE_MIB=${CACHE_MIB:-7800}
 
@@ -54,8 +56,8 @@ pp-master|pp-off|pp-32k|pp)
     M=$(skew_model) || exit 1
     if [ "$step" = pp-master ] || [ "$step" = pp ]; then
         # master runs ub 512 at ~230 t/s: a round of both load modes is ~90 s of master (2 x 18 s a rep and the 17 GB
-        # load), so no warm-up round and no llama-bench warm-up run (the discarded rep is the cold one); the seventh
-        # session's 200 s ran out after the warm-up round
+        # load), so no warm-up round and no llama-bench warm-up run (the discarded rep is the cold one); 200 s ran
+        # out after a warm-up round
         BENCH_MODEL=$M bench 420 --rounds 3 --max-seconds 360 --warmup-rounds 0 --reps 2 --discard 1 --pin-threads \
             --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp4096-ub512-master.json" \
             -- -p 4096 -n 0 -b 4096 -ub 512 -ngl 99 -ncmoe 48 -lm none,mmap --no-warmup 2>&1 | tee "$OUT/cache-pp4096-ub512-master.txt"
@@ -63,7 +65,7 @@ pp-master|pp-off|pp-32k|pp)
     if [ "$step" = pp-off ] || [ "$step" = pp ]; then
         # "no prompt row slower with the cache on": pp512 and pp4096 at ub 512 and 2048, both load modes (8 rows, ~100 s
         # a round of both sides)
-        # (the eighth session's budget ended in the second round: a warm-up round and three rounds take ~280 s)
+        # (a warm-up round and three rounds take ~280 s: more than the budget)
         BENCH_MODEL=$M bench 360 --baseline patched --candidate patched --rounds 3 --max-seconds 300 --reps 2 --discard 1 \
             --pin-threads --candidate-env LLAMA_MOE_CACHE_MIB=${QUARTER_MIB:-3900} --json "$OUT/cache-pp-off.json" \
             -- -p 512,4096 -n 0 -b 4096 -ub 512,2048 -ngl 99 -ncmoe 48 -lm none,mmap 2>&1 | tee "$OUT/cache-pp-off.txt"
@@ -115,9 +117,9 @@ tg)
     grep -E "llama_moe: (expert cache|no expert)" "$OUT/cache-hit-rate.txt"
     ;;
 tg-whole)
-    # issue 13: every expert cached (17000 MiB), as a share of all on the GPU in the same run (the patched build
+    # every expert cached (17000 MiB), as a share of all on the GPU in the same run (the patched build
     # against itself, the cache off as the baseline; a paced run measures one test, the share needs two rows). The
-    # default fills each layer whole when the cache is made (the tenth session's fill-as-routed run reached 0.65): the
+    # default fills each layer whole when the cache is made (filled as routed, the share was 0.65): the
     # first repetition of each process (128 tokens, discarded) is the cold pass, its speed and hit rate in the JSON,
     # the fill's time in cache-whole-fill.txt. Then the fill as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), 8 repetitions
     # a process, for the warming curve (report only)
@@ -134,8 +136,16 @@ tg-whole)
         --candidate-env LLAMA_MOE_CACHE_FILL_WHOLE=0 --json "$OUT/cache-tg128-whole-routed.json" \
         -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm none 2>&1 | tee "$OUT/cache-tg128-whole-routed.txt"
     ;;
+tg-whole-mmap)
+    # the cache off as the baseline, every expert cached as the candidate, -ncmoe 0 as the limit row, all -lm mmap
+    wait_builds 60 || exit 1
+    M=$(skew_model) || exit 1
+    BENCH_MODEL=$M bench 300 --baseline patched --candidate patched --pin-threads --warmup-rounds 0 --reps 3 --discard 1 \
+        --rounds 4 --max-seconds 240 --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
+        --json "$OUT/cache-tg128-whole-mmap.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm mmap 2>&1 | tee "$OUT/cache-tg128-whole-mmap.txt"
+    ;;
 *)
-    echo "unknown step $step: use identity|pp|pp-master|pp-off|pp-32k|tg|tg-whole"; exit 2
+    echo "unknown step $step: use identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap"; exit 2
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"

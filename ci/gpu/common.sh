@@ -1,11 +1,14 @@
-# Sourced by the ci/gpu/*.sh step scripts: the GPU machine's environment (wheels carried in .whl/, cache root
-# /tmp/plm, CUDA on PATH), CUDA builds of master and patched from the pruned archives in .work/archives, run
-# detached so that they outlive the device call that started them, and the Qwen3-30B-A3B-shaped bench model.
-OUT=${OUT:-$PWD/gpu-out}
+# Sourced by ci/gpu/run.sh and the ci/gpu/*.sh step scripts: the GPU machine's environment (wheels carried in .whl/,
+# cache root /tmp/plm, CUDA on PATH), CUDA builds of master and patched from the pruned archives in .work/archives,
+# run detached so that they outlive the device call that started them, and the Qwen3-30B-A3B-shaped bench model.
+# The wheels are installed once per process tree: a step script that run.sh starts finds PLM_GPU_ENV set.
+export OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH PYLLAMA_MOE_HOME=/tmp/plm PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+export PATH=/usr/local/cuda/bin:$PATH PYLLAMA_MOE_HOME=/tmp/plm PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+if [ -z "${PLM_GPU_ENV:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PLM_GPU_ENV=1
+fi
 A=.work/archives
 MODEL=$PYLLAMA_MOE_HOME/bench-qwen3-30b-a3b-q4_0.gguf
 T0=$SECONDS
@@ -60,6 +63,14 @@ bench() { # $1: seconds at most, then pyllama-moe bench arguments; the model is 
     timeout "$limit" python3 -m pyllama_moe bench --model "${BENCH_MODEL:-$MODEL}" --backend cuda --archive-dir $A "$@"
 }
 
+first_tokens() { # $1: a name (its JSON, text and log folder in $OUT), then first-tokens arguments; the model is
+    # M, the patched build the one start_builds or build_patched_with_skew_model made; FIRST_S: seconds at most (400)
+    local name=$1; shift
+    timeout ${FIRST_S:-400} python3 -m pyllama_moe first-tokens --model "$M" --variant patched --backend cuda \
+        --archive $A/llama.cpp-patched.tar.gz --no-build --pin-threads --json "$OUT/$name.json" \
+        --log-dir "$OUT/$name-logs" "$@" 2>&1 | tee "$OUT/$name.txt"
+}
+
 patched_bin() { # the bin folder of the patched CUDA build that start_builds made; $1: its targets where they were
     # not the default ones (comma-separated), so that resolving it does not build the others
     python3 -c "import pathlib, sys; from pyllama_moe.build import resolve
@@ -91,19 +102,23 @@ wait_builds() { # $1: seconds since the script started to wait at most; 0 when b
     grep -h "build .*/cuda: done" "$OUT"/build-*.log
 }
 
-follow_pipeline() { # $1: the step script, $2: the pipeline's own output folder, $3: lines of its log to show
-    # starts `$1 all` detached once (it outlives this device call), then follows it for up to FOLLOW_S seconds
-    local script=$1 pipe=$2
+follow_pipeline() { # $1: the step script, $2: the pipeline's own output folder, $3: lines of its log to show, the
+    # rest: the script's arguments (default: all); starts the script detached once (it outlives this device call),
+    # then follows it for up to FOLLOW_S seconds
+    local script=$1 pipe=$2 lines=$3
+    shift 3
+    local args
+    args=$(printf ' %q' "${@:-all}")
     if [ ! -f $pipe.pid ]; then
         mkdir -p $pipe
-        setsid env OUT=$pipe bash -c "bash $script all > $pipe/pipeline.log 2>&1; echo \$? > $pipe/pipeline.rc" \
+        setsid env OUT=$pipe bash -c "bash $script$args > $pipe/pipeline.log 2>&1; echo \$? > $pipe/pipeline.rc" \
             > /dev/null 2>&1 < /dev/null &
         echo $! > $pipe.pid
-        echo "pipeline started"
+        echo "pipeline started:$args"
     fi
     while [ ! -f $pipe/pipeline.rc ] && [ $((SECONDS - T0)) -lt "${FOLLOW_S:-560}" ]; do sleep 5; done
     # one archive: a device call returns only a few files from $OUT
     tar czf "$OUT/pipeline.tgz" -C $pipe . && cp $pipe/pipeline.log "$OUT/"
-    tail -"$3" $pipe/pipeline.log
+    tail -"$lines" $pipe/pipeline.log
     [ -f $pipe/pipeline.rc ] && echo "pipeline finished: exit $(cat $pipe/pipeline.rc)"
 }

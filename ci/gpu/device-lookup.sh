@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 13 on the GPU machine: the expert cache's decode looked up on the device (GGML_OP_MOE_CACHE_LOOKUP and
+# The expert cache's decode looked up on the device, on the GPU machine (GGML_OP_MOE_CACHE_LOOKUP and
 # GGML_OP_MOE_CACHE_FILL: no routing read back, one CUDA graph per token). Prepare on the CPU machine as prefetch.sh
-# says; the steps run after `prefetch.sh build` (or in ci/gpu/open-issues.sh):
+# says; the steps run after `prefetch.sh build` (ci/gpu/run.sh names them lookup-STEP):
 #   ops        test-backend-ops of both ops on CUDA0 against the CPU (exact), then the same under compute-sanitizer
 #              memcheck and racecheck (memcheck without API error reports: between test cases of other graph shapes
-#              ggml-cuda's cudaGraphExecUpdate fails by design and it re-instantiates, 8 such reports in the ninth
-#              session; memory errors still fail the run)
+#              ggml-cuda's cudaGraphExecUpdate fails by design and it re-instantiates, 8 such reports a run;
+#              memory errors still fail the run)
 #   syncs      host synchronizations per decoded token with the cache on the device, with the host-side plan
 #              (LLAMA_MOE_CACHE_DEVICE=0) and with every weight on the GPU (target: device <= all-on-GPU + 1)
 #   tg         tg128, skew 0.5, cache at half the expert bytes against master, paced (target: lower end >= 2.5); then
@@ -23,7 +23,7 @@ case $step in
 ops)
     wait_builds 300 || exit 1
     P=$(patched_bin)
-    # OPS / OPS_TOOLS narrow a rerun (the tenth session: memcheck of the lookup only, the rest was clean in the ninth)
+    # OPS / OPS_TOOLS narrow a rerun (e.g. OPS=MOE_CACHE_LOOKUP OPS_TOOLS=memcheck: one op, one tool)
     for op in ${OPS:-MOE_CACHE_LOOKUP MOE_CACHE_FILL}; do
         timeout 120 "$P/test-backend-ops" -b CUDA0 -o $op 2>&1 | tee "$OUT/ops-$op.txt" | tail -3
         for tool in ${OPS_TOOLS:-memcheck racecheck}; do
@@ -73,9 +73,9 @@ tg|tg-static|tg-skew0)
             -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/device-$step.txt"
     fi
     # both load modes, and the cache's -ncmoe 48 rows against master's static -ncmoe 24 (the same bytes on the GPU
-    # placed by layer) in the same rounds (--limit-from baseline; a paced run measures one test only). The ninth
-    # session's 6 rounds ran past the step's limit in the fourth: a round is ~100 s. No warm-up round: the model was
-    # just written (in the page cache) and the ninth session's warm-up round ran as fast as the measured ones
+    # placed by layer) in the same rounds (--limit-from baseline; a paced run measures one test only). A round is
+    # ~100 s: 6 would run past the step's limit. No warm-up round: the model was just written (in the page cache)
+    # and a warm-up round ran as fast as the measured ones
     BENCH_MODEL=$M bench 480 --pin-threads --warmup-rounds 0 --reps 3 --discard 1 --rounds 4 --max-seconds 380 \
         --candidate-env LLAMA_MOE_CACHE_MIB=$CACHE_MIB --limit-row n_cpu_moe=24 --limit-from baseline \
         --json "$OUT/device-${step%-static}-static.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,24 -lm none,mmap 2>&1 \

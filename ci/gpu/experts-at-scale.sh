@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Issue 11 on the GPU machine: pinned experts and staging at any model size and file layout, on the
-# Qwen3-30B-A3B-shaped Q4_0 model (17 GB) and the matrix's tiny models.
+# Pinned experts and staging at any model size and file layout, on the GPU machine: the Qwen3-30B-A3B-shaped
+# Q4_0 model (17 GB) and the matrix's tiny models (ci/gpu/run.sh names the steps scale-STEP).
 #
 # Prepare on the CPU machine as prefetch.sh says, then, carrying .work/archives and .whl, one device call a step:
 #   build      CUDA builds of master and patched (every default target) and the 30B model (prefetch.sh build)
-#   minbatch   item 4: where uploading whole experts ahead beats copying the routed ones at split time. The
+#   minbatch   where uploading whole experts ahead beats copying the routed ones at split time. The
 #              patched build against itself, GGML_SCHED_PREFETCH_MIN_BATCH=1 (every ubatch uploads ahead) as
 #              the candidate and 1000000 (no ubatch does: routed copies only) as the baseline, pp512 at ub
 #              32..512, routing skew 0 and 0.5 (MINBATCH_SKEWS); a ratio above 1 says "ahead" is faster at that
 #              ubatch size
 #   share      the pp4096 ub 4096 target: patched share of the all-on-GPU row with its interval, 8 rounds
-#   pin        item 1: a pin budget smaller than the experts pins part and says so (tiny model and 30B model,
+#   pin        a pin budget smaller than the experts pins part and says so (tiny model and 30B model,
 #              mmap), the greedy text equal to the run with pinning off; the identity cells with the budget
 #              are in `compare --subset gpu-variants` (prefetch.sh identity)
 # or all of them, in that order, as one detached pipeline: FOLLOW_S=560 bash ci/gpu/experts-at-scale.sh follow,
@@ -55,7 +55,7 @@ minbatch)
             --json "$OUT/minbatch-skew$skew.json" \
             -- -p 512 -n 0 -b 512 -ub 32,64,128,256,512 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/minbatch-skew$skew.txt"
     done
-    # the skews this run did not measure are read from MINBATCH_EARLIER (e.g. results/minbatch-s5-skew0.json)
+    # the skews this run did not measure are read from MINBATCH_EARLIER (the JSON of an earlier minbatch run)
     python3 -m pyllama_moe plot ${MINBATCH_EARLIER:-} $(ls "$OUT"/minbatch-skew*.json) --sweep n_ubatch \
         --title "uploads ahead (min batch 1) / routed copies (min batch 1e6), pp512, experts on the host" \
         -o "$OUT/minbatch.svg"

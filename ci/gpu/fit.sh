@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 item 3 on the GPU machine: --fit with the expert cache on a device with limited free memory. A planted
+# --fit with the expert cache on a device with limited free memory, on the GPU machine. A planted
 # allocation (hold_memory.py) leaves LEAVE_MIB (default 12288) free; steps (results in $OUT):
 #   all       the patched CUDA build (alone, -j 16, detached) and the skew 0.5 30B-shaped model, then identity, bench
 #   identity  llama-perplexity's log-probs (4 chunks of 512, ub 512) and 64 greedy tokens of llama-completion: every
@@ -10,7 +10,8 @@
 #             below the room for each MiB in HYBRID_MIB (none by default) and -ncmoe N for N in NCMOE;
 #             pp2048 and tg128, -r 3; nvidia-smi sampled every 250 ms during each row: the least free memory
 #             a row left, to tell which rows kept the 1024 MiB target
-# Carry .work/archives and .whl; repeat `FOLLOW_S=560 bash ci/gpu/fit.sh follow` until "pipeline finished".
+# Carry .work/archives and .whl; repeat `FOLLOW_S=560 bash ci/gpu/fit.sh follow` until "pipeline finished"
+# (run.sh steps fit-identity, fit-bench).
 set -uo pipefail
 step=${1:?usage: fit.sh all|follow|identity|bench}
 . "$(dirname "$0")/common.sh"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 2 on the GPU machine: CUDA builds of master and patched from the pruned archives, three identity
-# cells (ci/matrix.toml subset `gpu`) and an A/B llama-bench on a Qwen3-30B-A3B-shaped model.
+# The basic CUDA check on the GPU machine: CUDA builds of master and patched from the pruned
+# archives, the identity cells of ci/matrix.toml subset `gpu` and an A/B llama-bench on a Qwen3-30B-A3B-shaped
+# model (prefetch.sh identity and bench run the same and more; run.sh step foundation-check).
 #
 # Prepare on the CPU machine (the GPU machine has no registry and maybe no git):
 #   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz

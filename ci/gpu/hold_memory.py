@@ -1,5 +1,5 @@
-"""Hold GPU memory so that a given amount stays free (a planted allocation, issue 14's --fit target):
-`python3 ci/gpu/hold_memory.py LEAVE_MIB READY_FILE STOP_FILE`. Allocates with cudaMalloc until the device reports
+"""Hold GPU memory so that a given amount stays free (a planted allocation, under which --fit must keep its
+target): `python3 ci/gpu/hold_memory.py LEAVE_MIB READY_FILE STOP_FILE`. Allocates with cudaMalloc until the device reports
 LEAVE_MIB free (within 64 MiB), writes the free and total MiB to READY_FILE, and holds them until STOP_FILE exists."""
 import ctypes
 import glob

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 4 on the GPU machine: CUDA builds of master and patched, identity cells with the host-weight prefetch
+# The host-weight prefetch on the GPU machine: CUDA builds of master and patched, identity cells with the prefetch
 # (on by default for CUDA), its poisoned-slot debug knob, compute-sanitizer, host syncs per decoded token, and
-# the A/B benchmark of the issue's targets on a Qwen3-30B-A3B-shaped Q4_0 model.
+# the A/B benchmark of its prompt rows on a Qwen3-30B-A3B-shaped Q4_0 model. ci/gpu/run.sh names these steps.
 #
 # Prepare on the CPU machine:
 #   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz
@@ -12,13 +12,14 @@
 #   ci/gpu/prefetch.sh check     identity cells (subsets gpu, gpu-variants), syncs per token, then the sanitizer
 #                                (also alone: identity, sanitizer)
 #   ci/gpu/prefetch.sh bench     pyllama-moe bench: pp4096 ub 2048/4096, pp512, tg128, -lm none and mmap
-#   ci/gpu/prefetch.sh staging   issue 11 item 3 (not run yet): the staging budget sweep on the patched build, and a
-#                                two-layer model with 2 GiB expert tensors under a budget below 3 GiB
+#   ci/gpu/prefetch.sh staging   the staging budget sweep on the patched build, and a two-layer model with 2 GiB
+#                                expert tensors under a budget below 3 GiB
+#   ci/gpu/prefetch.sh depth     the lookahead: prefetch off and on at depths 2, 3 and 4 (patched llama-bench alone)
 # or run all three as one detached pipeline that keeps the GPU busy between calls, repeating
 #   ci/gpu/prefetch.sh follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished". Results land in $OUT (or ./gpu-out).
 set -uo pipefail
-step=${1:?usage: prefetch.sh build|check|identity|sanitizer|sanitizer-pieces|bench|staging|follow|all}
+step=${1:?usage: prefetch.sh build|check|identity|sanitizer|sanitizer-pieces|bench|staging|depth|follow|all}
 . "$(dirname "$0")/common.sh"
 PIPE=/tmp/plm-pipeline   # the detached pipeline's own output folder, archived into $OUT by each follow call
 
@@ -121,6 +122,17 @@ staging)
     BENCH_MODEL=$BIG bench 400 --rounds 4 --reps 3 --discard 1 --pin-threads \
         --candidate-env GGML_SCHED_PREFETCH_STAGING_MIB=2900 --json "$OUT/staging-2gib-bench.json" \
         -- -p 4096 -n 0 -b 4096 -ub 2048 -ngl 99 -ncmoe 99 -lm none 2>&1 | tee "$OUT/staging-2gib-bench.txt"
+    ;;
+depth)
+    # pp4096 at ub 2048 and 4096, the prefetch off and on at depths 2, 3 and 4; patched only (master has no -pf),
+    # so the repetitions of one process are all there is
+    wait_builds 60 || exit 1
+    P=$(patched_bin)
+    timeout 300 "$P/llama-bench" -m "$MODEL" -p 4096 -n 0 -b 4096 -ub 2048,4096 -ngl 99 -ncmoe 48 -lm none -pf 0,1 \
+        -pfd 2,3,4 -r 3 -t 16 -o md 2>&1 | tee "$OUT/prefetch-depth.md" | grep '^|'
+    ;;
+*)
+    echo "unknown step $step: use build|check|identity|sanitizer|sanitizer-pieces|bench|staging|depth|follow|all"; exit 2
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"

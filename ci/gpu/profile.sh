@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14 on the GPU machine, thirteenth session: expert cache profiles against seeding, and the bytes over PCIe per
-# token. Steps (results in $OUT):
+# Expert cache profiles against seeding, and the bytes over PCIe per token, on the GPU machine. Steps (run.sh steps
+# profile, profile-sweep; results in $OUT):
 #   all       both CUDA builds (detached, as prefetch.sh build) and the skew 0.5 model, then identity, profile, sweep
 #   identity  cache.sh identity: the cache's CUDA cells (the lookup now counts each expert's uses) and memcheck
 #   profile   a profile written by one process (prompt 2048, then 400 decode tokens: other tokens than the measurement's,
@@ -15,6 +15,7 @@ step=${1:?usage: profile.sh all|follow|identity|profile|sweep}
 . "$(dirname "$0")/common.sh"
 here=$(dirname "$0")
 H=${HALF_MIB:-7800}
+FIRST_S=${FIRST_S:-300}
 case $step in
 follow)
     follow_pipeline "$0" /tmp/plm-profile 50
@@ -36,20 +37,14 @@ identity)
 profile)
     wait_builds 900 || exit 1
     M=$(skew_model) || exit 1
-    first() { # $1: name, then first-tokens arguments
-        local name=$1; shift
-        timeout ${FIRST_S:-300} python3 -m pyllama_moe first-tokens --model "$M" --variant patched --backend cuda \
-            --archive $A/llama.cpp-patched.tar.gz --no-build --pin-threads --json "$OUT/$name.json" \
-            --log-dir "$OUT/$name-logs" "$@" 2>&1 | tee "$OUT/$name.txt"
-    }
-    first profile-write --rounds 1 --reps 1 --prompt 2048 --first 128 --warm 144 \
+    first_tokens profile-write --rounds 1 --reps 1 --prompt 2048 --first 128 --warm 144 \
         --setting write=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_PROFILE=$OUT/profile.gguf \
         -- -ngl 99 -ncmoe 48 -ub 512 -b 4096 -lm none
     python3 -m pyllama_moe profile show "$OUT/profile.gguf" --top 8 | tee "$OUT/profile-show.txt" | head -20
     python3 -m pyllama_moe plot --profile "$OUT/profile.gguf" -o "$OUT/profile-heat.png"
     cp "$OUT/profile.gguf" /tmp/profile-a.gguf
     cp "$OUT/profile.gguf" /tmp/profile-b.gguf
-    first profile-first --rounds ${ROUNDS:-2} --reps 2 --prompt 4096 --first 16 --warm 96 \
+    first_tokens profile-first --rounds ${ROUNDS:-2} --reps 2 --prompt 4096 --first 16 --warm 96 \
         --setting seed=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=1 \
         --setting profile=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=0,LLAMA_MOE_CACHE_PROFILE=/tmp/profile-a.gguf \
         --setting profile-seed=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=1,LLAMA_MOE_CACHE_PROFILE=/tmp/profile-b.gguf \

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Issue 14 item 1 on the GPU machine: the expert cache seeded at a prompt's end. Steps (after the builds of
-# prefetch.sh build, as open-issues.sh runs them; results in $OUT):
+# The expert cache seeded at a prompt's end, on the GPU machine. Steps (after prefetch.sh build, or with first and
+# first-times after run.sh build-patched; ci/gpu/run.sh names them seed-STEP; results in $OUT):
 #   check   the cache's CUDA identity cells (every cell but moe-cache-seed-off seeds: its prompt's last ubatch uploads
 #           ahead), then the seed debug check (LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1: every seeded slot against its host
 #           expert) on the tiny model with a 2 MiB cache and on the 30B-shaped skew 0.5 model with half the experts
 #   first   first-tokens: the first 16 tokens decoded after a 4096-token prompt against 16 steady ones (after 96 more),
 #           seeding on and off, a fresh cache before each prompt, cache half (7800 MiB), -ncmoe 48, -lm none
+#   first-times  where the first tokens' time goes: first-tokens with each token's time (the first decode graph
+#           after a prompt runs without a CUDA graph, the second captures one) and LLAMA_MOE_DEBUG_DECODE_TIMES's
+#           steps of the first three, seeding on and off, and the same prompt with every weight on the GPU (-ncmoe 0)
+#           as what llama.cpp's first tokens cost without host experts
 set -uo pipefail
-step=${1:?usage: seed.sh check|first}
+step=${1:?usage: seed.sh check|first|first-times}
 . "$(dirname "$0")/common.sh"
 case $step in
 check)
@@ -30,13 +34,28 @@ check)
 first)
     wait_builds 60 || exit 1
     M=$(skew_model) || exit 1
-    timeout ${FIRST_S:-400} python3 -m pyllama_moe first-tokens --model "$M" --variant patched --backend cuda \
-        --archive $A/llama.cpp-patched.tar.gz --no-build --pin-threads --rounds ${ROUNDS:-3} --reps 3 --prompt 4096 --first 16 \
-        --warm 96 --setting seed-on=LLAMA_MOE_CACHE_MIB=${HALF_MIB:-7800},LLAMA_MOE_CACHE_SEED=1 \
-        --setting seed-off=LLAMA_MOE_CACHE_MIB=${HALF_MIB:-7800},LLAMA_MOE_CACHE_SEED=0 --json "$OUT/first-tokens.json" \
-        --log-dir "$OUT/first-tokens-logs" -- -ngl 99 -ncmoe 48 -ub 512 -b 4096 -lm none 2>&1 | tee "$OUT/first-tokens.txt"
+    first_tokens first-tokens --rounds ${ROUNDS:-3} --reps 3 --prompt 4096 --first 16 --warm 96 \
+        --setting seed-on=LLAMA_MOE_CACHE_MIB=${HALF_MIB:-7800},LLAMA_MOE_CACHE_SEED=1 \
+        --setting seed-off=LLAMA_MOE_CACHE_MIB=${HALF_MIB:-7800},LLAMA_MOE_CACHE_SEED=0 \
+        -- -ngl 99 -ncmoe 48 -ub 512 -b 4096 -lm none
+    ;;
+first-times)
+    wait_builds 60 || exit 1
+    M=$(skew_model) || exit 1
+    H=${HALF_MIB:-7800}
+    # LLAMA_MOE_DEBUG_DECODE_TIMES=3: the host time of each step of the first three decode steps after each prompt, in
+    # the processes' logs (summarized below)
+    D=LLAMA_MOE_DEBUG_DECODE_TIMES=3
+    first_tokens first-times --rounds ${ROUNDS:-1} --reps 2 --prompt 4096 --first 16 --warm 96 \
+        --setting seed-on=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=1,$D \
+        --setting seed-off=LLAMA_MOE_CACHE_MIB=$H,LLAMA_MOE_CACHE_SEED=0,$D -- -ngl 99 -ncmoe 48 -ub 512 -b 4096 -lm none
+    echo "== all on the GPU ($((SECONDS - T0)) s)"
+    first_tokens first-times-allgpu --rounds 1 --reps 2 --prompt 4096 --first 16 --warm 96 --setting all-gpu=$D \
+        -- -ngl 99 -ncmoe 0 -ub 512 -b 4096 -lm none
+    grep -h "decode step" "$OUT"/first-times-logs/*seed-on*.log | tail -12
+    grep -h "decode step" "$OUT"/first-times-allgpu-logs/*.log | tail -12
     ;;
 *)
-    echo "unknown step $step: use check|first"; exit 2
+    echo "unknown step $step: use check|first|first-times"; exit 2
     ;;
 esac

@@ -1,5 +1,5 @@
-// fit-moe-cache.h: how --fit shares device memory between the MoE expert cache and whole layers (pyllama_moe,
-// issue 14 item 3). Plain C++, no llama.cpp or ggml header: common/fit.cpp measures, this module decides, and
+// fit-moe-cache.h (pyllama_moe): how --fit shares device memory between the MoE expert cache and whole layers.
+// Plain C++, no llama.cpp or ggml header: common/fit.cpp measures, this module decides, and
 // tests/native/test_fit_moe_cache.cpp checks the decision with a C++ compiler alone.
 //
 // The plan. With a cache asked for (--moe-cache-mib N, N > 0) and a model that does not fit, --fit measures the

@@ -1,4 +1,4 @@
-// llama-moe-cache-profile.h (internal): the expert cache profile (pyllama_moe, issue 14): how often each cached
+// llama-moe-cache-profile.h (internal): the expert cache profile (pyllama_moe): how often each cached
 // layer routed to each of its experts, kept in a small GGUF file across processes, so that a new cache starts with
 // the experts a model uses most (llama-moe-cache-rt.h, "Profiles").
 //

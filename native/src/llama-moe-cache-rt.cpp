@@ -779,8 +779,8 @@ static size_t upload_fills(const rt_layer & l, const std::vector<llama_moe_cache
 
 // Makes the layers with a slot per expert whole before a graph reads them. Such a layer never evicts, so each expert
 // its tokens route is uploaded once anyway; filled as routed, a rarely routed expert keeps the layer from being read
-// in place for thousands of tokens, and every decode step of it pays the lookup and its fills meanwhile (the tenth
-// session on the H200, every expert cached: 0.65 of the all-on-GPU rate over the first 512 tokens, 0.78 in the last
+// in place for thousands of tokens, and every decode step of it pays the lookup and its fills meanwhile (measured
+// on the H200, every expert cached: 0.65 of the all-on-GPU rate over the first 512 tokens, 0.78 in the last
 // 128 of them). One upload per run of missing experts and tensor, on the calling thread, when the cache is made
 // (nothing computes on its banks yet); a stop that empties the cache keeps these layers (llama_moe_cache_settle).
 static void fill_whole_layers(llama_moe_cache_rt & rt) {

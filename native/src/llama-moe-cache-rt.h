@@ -1,5 +1,5 @@
 // llama-moe-cache-rt.h (internal): the MoE expert cache of a context, wired to the graph and the scheduler
-// (pyllama_moe, issue 12).
+// (pyllama_moe).
 //
 // llama-moe-cache.h decides which experts are resident; this part owns the device banks that hold them and moves
 // the bytes. For each MoE layer whose expert tensors stay on the host and whose other weights are on a GPU, the
@@ -24,7 +24,7 @@
 // as with the experts on the GPU. It stays so for the cache's life; llama_moe_cache_n_in_place tells the graph reuse
 // when a rebuilt graph would read more layers in place.
 //
-// Decode on the device (issue 13): where the layer's device has the lookup ops and reads its host experts in place
+// Decode on the device: where the layer's device has the lookup ops and reads its host experts in place
 // (page-locked and mapped: ggml_backend_host_device_ptr), a decode graph looks the slots up on the device instead:
 // ggml_moe_cache_lookup on the layer's slot state (a device tensor beside the banks, updated in place) and one
 // ggml_moe_cache_fill per bank, which copies the misses from host memory, all before the layer's matmuls, which read
@@ -34,7 +34,7 @@
 // host-side plan) first reads the device's back, with the counters of its lookups (one synchronization per switch).
 // Elsewhere, or with LLAMA_MOE_CACHE_DEVICE=0, decode keeps the host-side plan; the context says once why.
 //
-// Seeding (issue 14): a prompt ubatch that uploads ahead stages every expert of a cached layer on the layer's device
+// Seeding: a prompt ubatch that uploads ahead stages every expert of a cached layer on the layer's device
 // (see llama_moe_cache_attach). The last such ubatch of a decode call (llama_moe_cache_seed_ubatch) reads each cached
 // layer's routing back once it is computed (an eval callback: the scheduler then computes the graph in pieces, a
 // synchronization at each routing and at each split's end) and the planner picks the resident set from it
@@ -46,7 +46,7 @@
 // with the graph's admits. LLAMA_MOE_CACHE_SEED=0 (or llama_moe_default_set_moe_cache_seed(0)) turns it off;
 // LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1 compares the seeded layers' slots with the host experts once the graph is done.
 //
-// Profiles (issue 14): each lookup that plans counts its distinct experts per layer (ggml-moe-cache-lookup.h: the
+// Profiles: each lookup that plans counts its distinct experts per layer (ggml-moe-cache-lookup.h: the
 // host-side plan and the device alike; the counts are the tail of the flat state and travel with it at every handover
 // and counter read-back), each seeding ubatch its routed tokens (llama_moe_cache::seed). With a profile file
 // (llama_moe_default_set_moe_cache_profile, --moe-cache-profile, LLAMA_MOE_CACHE_PROFILE) made for this model, the

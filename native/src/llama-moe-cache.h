@@ -1,4 +1,4 @@
-// llama-moe-cache.h (internal): the host-side bookkeeping of the MoE expert cache (pyllama_moe, issue 12).
+// llama-moe-cache.h (internal): the host-side bookkeeping of the MoE expert cache (pyllama_moe).
 //
 // Free device memory holds banks of expert slots for the MoE layers whose experts are on the host. This module
 // decides which experts are resident and which bytes must move; it never touches a tensor, a backend or the
@@ -135,7 +135,7 @@ struct llama_moe_cache_layer {
 
     std::vector<uint32_t> score;    // [n_expert] prompt routing, halved every prompt ubatch
 
-    // the expert cache profile (issue 14): how often this context routed to each expert, saturating at INT32_MAX.
+    // the expert cache profile: how often this context routed to each expert, saturating at INT32_MAX.
     // uses: decode lookups that planned, each distinct expert once per lookup (the lookup of ggml-moe-cache-lookup.h
     // counts them, here and on a device alike: they travel with the flat state); prompt_uses: the routed tokens of
     // the ubatches that seeded the layer (the only prompt routing read back). Neither counts steps on the staging

@@ -1,4 +1,4 @@
-// ggml-moe-cache-lookup.h (pyllama_moe, issue 13): the MoE expert cache's decode lookup on a flat slot state, the one
+// ggml-moe-cache-lookup.h (pyllama_moe): the MoE expert cache's decode lookup on a flat slot state, the one
 // implementation that the host-side plan (llama-moe-cache.cpp) runs today and that the device lookup op runs on
 // the CPU, on SIM and, from shared memory, in the CUDA kernel. Plain C with no library calls and no allocation, so
 // that every one of them computes the same slots from the same state and the two can hand over (prompt, then decode)
@@ -9,7 +9,7 @@
 //   expert_of[n_slots]  the expert of each slot, -1 when free
 //   ref[n_slots]        CLOCK reference bits (0/1)
 //   hand, n_free        the CLOCK hand and the free slots
-//   uses[n_expert]      how many lookups routed to each expert (issue 14, the expert cache profile)
+//   uses[n_expert]      how many lookups routed to each expert (the expert cache profile's counts)
 //
 // A lookup of a ubatch's routing: the distinct experts in order of first appearance; each hit sets its reference bit
 // and is pinned; each miss takes its own slot (slot e for expert e) if that one is free, else the lowest free slot,

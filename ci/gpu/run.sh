@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The GPU machine's entry point: `ci/gpu/run.sh STEP [STEP...]` sources common.sh once, runs the named steps in
+# order (each writes into $OUT/STEP), prints each step's time and stops at the first that fails, with its exit
+# status. A VAR=VALUE argument sets the environment of the steps after it (`run.sh ROUNDS=4 fit-bench`).
+#   run.sh --list                      every step with what it does
+#   FOLLOW_S=560 run.sh --follow STEP...   starts the steps detached once (they outlive the device call), then
+#                                      follows them; repeat it until it prints "pipeline finished" (results in
+#                                      $OUT/pipeline.tgz)
+# Each step is a function here or SCRIPT STEP of a script beside this one; those stay runnable alone
+# (`bash ci/gpu/cache.sh tg-series`). Prepare on the CPU machine as ci/gpu/prefetch.sh says (the pruned archives
+# in .work/archives, the wheels in .whl) and carry both into each device call.
+set -uo pipefail
+here=$(dirname "$0")
+
+steps() { # name, then SCRIPT STEP or :FUNCTION, then the description
+    cat <<'EOF'
+build               prefetch.sh build         master and patched CUDA builds (default targets, detached) and the 30B bench model
+build-patched       :build_patched            the patched CUDA build alone (-j 16) and the skew 0.5 model; later steps wait for it alone
+identity            prefetch.sh identity      identity cells of subsets gpu and gpu-variants against master, host syncs per token
+sanitizer           prefetch.sh sanitizer     compute-sanitizer memcheck over a prefetched prompt, debug poison off and on
+sanitizer-pieces    prefetch.sh sanitizer-pieces  the same with a 1 MiB staging ring: every upload in two pieces
+foundation-check    foundation.sh check       identity subset gpu and an A/B pp512/tg128 llama-bench, after build
+prefetch-bench      prefetch.sh bench         A/B pp4096 ub 2048/4096, mmap against -lm none, pp512 and tg128
+prefetch-staging    prefetch.sh staging       the staging budget sweep, and 2 GiB expert tensors under a 2900 MiB budget
+prefetch-depth      prefetch.sh depth         the lookahead: prefetch off and on at depths 2-4 (patched llama-bench alone)
+cache-identity      cache.sh identity         the expert cache's CUDA cells, parallel sequences, memcheck, a planted refusal
+cache-pp            cache.sh pp               the cache's prompt rows: pp-master, pp-off and pp-32k in turn
+cache-pp-master     cache.sh pp-master        pp4096 ub 512, cache at a quarter of the expert bytes, against master
+cache-pp-off        cache.sh pp-off           pp512 and pp4096 at ub 512 and 2048 with the cache against the cache off
+cache-pp-32k        cache.sh pp-32k           a 32k-token prompt, every expert cached, as a share of all on the GPU
+cache-series-build  cache.sh series-build     llama-bench builds of this series and the one before (BEFORE_ARCHIVE)
+cache-tg-series     cache.sh tg-series        tg128 at CACHE_MIB, this series against the one before: no row slower
+cache-tg            cache.sh tg               tg128, cache at half the expert bytes, against master, paced; the hit rate
+cache-tg-whole      cache.sh tg-whole         tg128 with every expert cached as a share of all on the GPU (-lm none)
+cache-tg-whole-mmap cache.sh tg-whole-mmap    the same comparison with -lm mmap
+lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
+lookup-syncs        device-lookup.sh syncs    host syncs per token: cache on the device, host-side plan, all on the GPU
+lookup-tg           device-lookup.sh tg       tg128 against master, paced, then against master's -ncmoe 24 rows
+lookup-tg-static    device-lookup.sh tg-static  tg128 against master's -ncmoe 24 rows alone, both load modes
+lookup-tg-skew0     device-lookup.sh tg-skew0   the same on the uniform-routing model
+seed-check          seed.sh check             the cache's CUDA cells and the seed debug check (tiny and 30B models)
+seed-first          seed.sh first             the first 16 tokens after a 4096-token prompt, seeding on and off
+seed-first-times    seed.sh first-times       where the first tokens' time goes: per-token and per-step host times
+profile             profile.sh profile        a saved expert cache profile against seeding, first 16 tokens
+profile-sweep       profile.sh sweep          cache budgets (-mcm): hit rate per layer and bytes over PCIe per token
+fit-identity        fit.sh identity           --fit with the cache under a planted allocation: same log-probs and text
+fit-bench           fit.sh bench              --fit rows under a planted allocation against -ncmoe N, least free memory
+stats-build         bench-stats.sh build      llama-bench builds (and the copy probe) and the 30B model, detached
+stats-study         bench-stats.sh study      where decode noise comes from: master against itself by thread setting
+stats-target        bench-stats.sh target     tg128 master vs patched, paced until the interval is within +/-3%
+stats-planted       bench-stats.sh planted    a planted 5% slowdown the interval must see
+stats-self          bench-stats.sh self       master against master: the interval must contain 1.0
+stats-rows          bench-stats.sh rows       pp4096 prefetch rows with intervals, against all on the GPU, then rows-mmap
+stats-rows-mmap     bench-stats.sh rows-mmap  pp4096 ub 2048, mmap against -lm none
+stats-rows-short    bench-stats.sh rows-short pp512 and tg128 with host experts against all on the GPU
+scale-minbatch      experts-at-scale.sh minbatch  where uploading whole experts ahead beats routed copies, by ubatch
+scale-share         experts-at-scale.sh share     pp4096 ub 4096 as a share of all on the GPU, 8 rounds
+scale-pin           experts-at-scale.sh pin       a pin budget below the experts pins part; the same greedy text
+soak-build          server-soak.sh build      the patched llama-server build and the 8-layer soak model
+soak                server-soak.sh soak       llama-server under concurrent load with the cache, then probes against all on the GPU
+soak-memcheck       server-soak.sh memcheck   the same under compute-sanitizer memcheck, shorter
+EOF
+}
+
+build_patched() { # later steps of this run.sh wait for the patched build alone (another call: BUILD_VARIANTS=patched)
+    build_patched_with_skew_model && export BUILD_VARIANTS=patched
+}
+
+case ${1:-} in
+''|-h|--help)
+    echo "usage: run.sh STEP [STEP...] | --follow STEP... | --list"; exit 2 ;;
+--list)
+    steps | while read -r name script arg desc; do
+        [ "${script:0:1}" = : ] && desc="$arg $desc"
+        printf '%-20s %s\n' "$name" "$desc"
+    done
+    exit 0 ;;
+esac
+follow=
+[ "$1" = --follow ] && { follow=1; shift; }
+[ $# -gt 0 ] || { echo "usage: run.sh --follow STEP..."; exit 2; }
+for s in "$@"; do # every name known before anything runs
+    [[ $s == *=* ]] && continue
+    steps | awk -v s="$s" '$1 == s { found = 1 } END { exit !found }' || { echo "unknown step $s (run.sh --list)"; exit 2; }
+done
+
+. "$here/common.sh"
+if [ -n "$follow" ]; then
+    # detached, nothing stops the builds at one call's limit: wait for them as long as they take
+    follow_pipeline "$0" /tmp/plm-run 60 BUILD_WAIT_S=${BUILD_WAIT_S:-1200} "$@"
+    exit "$(cat /tmp/plm-run/pipeline.rc 2> /dev/null || echo 0)"  # the steps' status once they finished
+fi
+n=0
+for s in "$@"; do
+    if [[ $s == *=* ]]; then
+        export "${s?}"
+        continue
+    fi
+    read -r _ script arg _ < <(steps | awk -v s="$s" '$1 == s')
+    start=$SECONDS
+    echo "== $s ($((SECONDS - T0)) s)"
+    top=$OUT
+    export OUT=$top/$s
+    mkdir -p "$OUT"
+    if [ "${script:0:1}" = : ]; then
+        "${script:1}"
+    else
+        bash "$here/$script" "$arg"
+    fi
+    rc=$?
+    export OUT=$top
+    echo "== $s: exit $rc, $((SECONDS - start)) s"
+    [ $rc = 0 ] || exit $rc
+    n=$((n + 1))
+done
+echo "== all $n steps passed, $((SECONDS - T0)) s"
