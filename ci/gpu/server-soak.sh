@@ -23,8 +23,9 @@ WORK=/tmp/plm-server-soak
 
 server_build() { # the build folder; builds it first where it is missing (the build step's command, reused)
     [ -n "${SERVER_BUILD:-}" ] && { echo "$SERVER_BUILD"; return 0; }
+    # the server is configured in every build: this adds its target to the patched build's folder
     python3 -m pyllama_moe build --backend cuda --variant patched --archive $A/llama.cpp-patched.tar.gz -j 16 \
-        --targets llama-server --cmake-arg=-DLLAMA_BUILD_SERVER=ON --cmake-arg=-DLLAMA_USE_PREBUILT_UI=OFF
+        --targets llama-server
 }
 
 soak_model() { # written once
