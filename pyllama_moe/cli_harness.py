@@ -28,7 +28,9 @@ def _source(args):
         return packs.archive_source(args.archive_dir / "llama.cpp-master.tar.gz", "master")
     if getattr(args, "archive", None):
         return packs.archive_source(args.archive, args.variant)
-    return source.ensure_source(getattr(args, "sdist", None), getattr(args, "llama_src", None))
+    sdist, llama_src = getattr(args, "sdist", None), getattr(args, "llama_src", None)
+    offline = packs.unpacked_python_source() if sdist is None and llama_src is None else None
+    return offline or source.ensure_source(sdist, llama_src)
 
 
 def _seed_env(seed: str | None) -> dict[str, str]:

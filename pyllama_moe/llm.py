@@ -34,7 +34,7 @@ def use_build(variant: str = "patched", backend: str = "cpu", *, archive: Path |
     """Make `import llama_cpp` load this build's libllama (LLAMA_CPP_LIB_PATH), with the pinned sdist's llama_cpp
     package where none is installed; returns the build's llama-moe.h functions. Call it before llama_cpp is imported:
     a library already loaded cannot be swapped."""
-    from pyllama_moe import source
+    from pyllama_moe import packs, source
     from pyllama_moe.build import resolve
 
     build = resolve(variant, backend, archive=archive, make=False)
@@ -49,7 +49,7 @@ def use_build(variant: str = "patched", backend: str = "cpu", *, archive: Path |
     try:
         import llama_cpp  # noqa: F401  (installed: its own package, our library)
     except ImportError:
-        src = source.ensure_source(None, None)
+        src = packs.unpacked_python_source() or source.ensure_source(None, None)
         if src.python_dir is None:
             raise UserError("llama_cpp is not installed and the pinned sdist has no Python package",
                             "pip install llama-cpp-python==0.3.36 (its library is replaced by the build's)") from None

@@ -149,10 +149,34 @@ def unpack(archive: Path, variant: str, *, other_series: bool = False) -> trees.
 
 def archive_source(archive: Path, variant: str) -> source.Source:
     """The Source behind an archive: its tree and the sdist's llama_cpp package it carries."""
-    tree = unpack(archive, variant)
-    manifest = json.loads((tree.path.parent / MANIFEST).read_text())
-    python_dir = tree.path.parent / "python"
+    return _source_of(unpack(archive, variant).path.parent)
+
+
+def _source_of(root: Path) -> source.Source:
+    manifest = json.loads((root / MANIFEST).read_text())
+    python_dir = root / "python"
     files = {rel: entry["sha256"] for rel, entry in manifest["files"].items() if entry["origin"] == "sdist"}
-    return source.Source(tree.path, python_dir if python_dir.is_dir() else None, files,
+    return source.Source(root / "llama.cpp", python_dir if python_dir.is_dir() else None, files,
                          "sdist:" + manifest["pin"]["sdist_sha256"])
 
+
+def unpacked_source(variant: str) -> source.Source | None:
+    """On a machine without the sdist (no package registry), the Source of an archive of `variant` that an earlier
+    `build --archive` unpacked and checked: of this pin, and for patched of this checkout's series. None if none
+    was. Its tree is what the sdist would prepare (same files, same build key), so a build from it is the same."""
+    if source.sdist_cached():
+        return None
+    pin_sha, inputs = load_pin().sha256, patches.inputs_digest() if variant == "patched" else None
+    for root in sorted(cache_dir("trees").glob(f"archive-{variant}-*")):
+        if not (root / source.COMPLETE_MARK).is_file():
+            continue
+        manifest = json.loads((root / MANIFEST).read_text())
+        if manifest["pin"]["sdist_sha256"] == pin_sha and (inputs is None or manifest.get("patch_inputs") == inputs):
+            return _source_of(root)
+    return None
+
+
+def unpacked_python_source() -> source.Source | None:
+    """An unpacked archive's Source for its llama_cpp package alone (the sdist's files in either variant), where the
+    sdist is not here."""
+    return unpacked_source("master") or unpacked_source("patched")

@@ -139,6 +139,11 @@ def digest_of_manifest(manifest: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
+def sdist_cached() -> bool:
+    """Whether the pinned sdist is in the cache (else ensure_source downloads it)."""
+    return (cache_dir("sdist") / load_pin().filename).is_file()
+
+
 def ensure_source(sdist: Path | None = None, llama_src: Path | None = None) -> Source:
     """The verified source every other step starts from (downloaded and unpacked once per cache)."""
     pin = load_pin()

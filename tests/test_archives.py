@@ -98,3 +98,28 @@ def test_a_patched_archive_of_another_series_is_built_only_when_asked(master_arc
         packs.unpack(other, "patched")
     tree = packs.unpack(other, "patched", other_series=True)
     assert tree.inputs == "another-series"
+
+
+def test_without_the_sdist_an_unpacked_archive_stands_in_for_it(master_archive, tmp_path, monkeypatch):
+    # a machine with no package registry: once `build --archive` unpacked this pin's tree, `run`, `info` and
+    # use_build find the build by the same key instead of trying to download the sdist
+    from pyllama_moe import build as build_mod, source
+
+    monkeypatch.setenv("PYLLAMA_MOE_HOME", str(tmp_path / "home"))
+    archive, _ = master_archive
+    assert not source.sdist_cached() and packs.unpacked_source("master") is None
+    tree = packs.unpack(archive, "master")
+    offline = packs.unpacked_source("master")
+    assert offline is not None and offline.llama_dir == tree.path and offline.python_dir is not None
+    assert packs.unpacked_python_source().python_dir == offline.python_dir
+    assert packs.unpacked_source("patched") is None  # a master tree never stands in for the patched one
+
+    def no_download(*a, **kw):
+        raise AssertionError("tried to fetch the sdist")
+
+    monkeypatch.setattr(source, "fetch_sdist", no_download)
+    with pytest.raises(UserError, match="pyllama-moe build --variant master"):
+        build_mod.resolve("master", "cpu", make=False)
+    key_offline = build_mod.build_key(build_mod.BuildSpec(tree))[0]
+    assert key_offline == build_mod.build_key(build_mod.BuildSpec(
+        packs.trees.Tree("master", offline.llama_dir, packs.trees.source_id(offline), "")))[0]

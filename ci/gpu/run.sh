@@ -59,6 +59,8 @@ scale-pin           experts-at-scale.sh pin       a pin budget below the experts
 soak-build          server-soak.sh build      the patched llama-server build and the 8-layer soak model
 soak                server-soak.sh soak       llama-server under concurrent load with the cache, then probes against all on the GPU
 soak-memcheck       server-soak.sh memcheck   the same under compute-sanitizer memcheck, shorter
+readme-quickstart   readme.sh quickstart     the README's GPU quick start as written (its build from the patched archive)
+readme-python       readme.sh python         the README's Python example, in the quick start's folder
 EOF
 }
 
