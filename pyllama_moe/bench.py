@@ -42,7 +42,7 @@ PATCHED_ONLY_DIMENSIONS = ("-mcm", "--moe-cache-mib", "-pf", "--sched-prefetch",
 # rounds before an interval may stop a run: stopping as soon as an interval is narrow favours runs whose
 # spread came out small by chance, and with few rounds that is common (simulated: with 3-5 rounds and a
 # per-round spread equal to the target, "converged" intervals covered 84% instead of 95%; 5 rounds keep the
-# loss to a few points, README "Benchmarks and their statistics")
+# loss to a few points, docs/benchmarks.md)
 MIN_ROUNDS_FOR_TARGET = 5
 
 

@@ -1,4 +1,4 @@
-"""Several contexts on one model (README, "What contexts share"): two contexts decode at once, one thread each, on
+"""Several contexts on one model (docs/expert-cache.md, "Contexts"): two contexts decode at once, one thread each, on
 one SIM device with every expert on the host. They share the model's weights and its pinned ranges (registered once,
 a reference per context); each has its own expert cache (banks, slot state, counters) and KV memory, so each
 computes what a context alone computes, and their caches count alike."""
