@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from scipy.special import log_softmax
 
 from pyllama_moe import models, runner, source
 from pyllama_moe.bench_limits import uploading_ubatches
@@ -55,10 +56,9 @@ def logit_diagnostics(base: np.ndarray, cand: np.ndarray) -> dict:
         return {"shape_base": list(base.shape), "shape_candidate": list(cand.shape)}
     rows_differ = np.flatnonzero(np.any(base.view(np.uint32) != cand.view(np.uint32), axis=1))
     b64, c64 = base.astype(np.float64), cand.astype(np.float64)
-    lb = b64 - b64.max(axis=1, keepdims=True)
-    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))
-    lc = c64 - c64.max(axis=1, keepdims=True)
-    lc -= np.log(np.exp(lc).sum(axis=1, keepdims=True))
+    lb, lc = log_softmax(b64, axis=1), log_softmax(c64, axis=1)
+    # KL from the log-probabilities (not scipy.stats.entropy of probabilities): a candidate probability that
+    # underflows to 0 leaves it finite
     kld = (np.exp(lb) * (lb - lc)).sum(axis=1)
     return {
         "first_diff_pos": int(rows_differ[0]) if rows_differ.size else None,

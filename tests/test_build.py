@@ -10,6 +10,7 @@ from pyllama_moe.buildinfo import embedded_mismatch, parse_build_info
 from pyllama_moe.errors import UserError
 from pyllama_moe.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
+from pyllama_moe.progress import Progress
 from pyllama_moe.trees import Tree
 
 
@@ -138,6 +139,29 @@ def test_worker_refuses_a_library_whose_embedded_key_differs(patched_build, src,
     spec = runner.RunSpec(model=model, tokens=[16, 17, 18], threads=1)
     with pytest.raises(UserError, match=f"embeds key {patched_build.key} \\(patched\\), not the patched build f{{24}}"):
         runner.run(Build(fake, "f" * 24, "patched", "cpu"), src, spec)
+
+
+def test_build_progress_in_a_log_is_a_line_per_update_and_a_line_when_done(capsys):
+    # stderr is captured, not a terminal: lines a log can hold, not a bar redrawn with carriage returns
+    progress = Progress("build master/cpu", quiet_for=0, log_every=0)
+    for n in range(1, 4):
+        progress.total = 3  # as _run_logged learns it: from ninja's first [n/m] line
+        progress.update(n)
+    progress.finish("done")
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert lines[-2:-1] == ["build master/cpu: 3 / 3 (100%, 00:00 left)"], err
+    assert lines[-1].startswith("build master/cpu: done (") and len(lines) <= 5, err
+
+
+def test_a_quick_step_says_nothing_but_its_note(capsys):
+    quiet = Progress("synth m.gguf", 3_000_000, "B")
+    quiet.update(step=1_000_000)
+    assert quiet.finish() < 2.0 and capsys.readouterr().err == ""
+    noted = Progress("configure master")
+    noted.finish("done")
+    assert capsys.readouterr().err.startswith("configure master: done (")
 
 
 def test_embedded_build_info_rule():

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
+from gguf.quants import dequantize
 
 from pyllama_moe.errors import UserError
+from pyllama_moe.paths import PROJECT_ROOT
 from pyllama_moe.synth import cli
 from pyllama_moe.synth.corpus import corpus_from_model, generate_corpus, vocab_words
 from pyllama_moe.synth.gguf_read import read_gguf
 from pyllama_moe.synth.lora import write_lora
 from pyllama_moe.synth.probe import run_probe
-from pyllama_moe.synth.quant import TensorSpec, chunk, dequantize
+from pyllama_moe.synth.quant import TensorSpec, chunk
 from pyllama_moe.synth.routes import route_histogram
 from pyllama_moe.synth.shapes import resolve_shape
 from pyllama_moe.synth.tokenizer import SPACE, build_vocab
@@ -74,7 +78,8 @@ def test_random_blocks_have_the_intended_statistics(qtype):
     spec = TensorSpec("blk.0.ffn_up_exps.weight", (4, 96, 256), qtype, std=0.02, in0=0.0, zero_out0=True)
     data = np.concatenate([chunk(spec, 7, i) for i in range(spec.n_chunks)])
     assert data.nbytes == spec.nbytes
-    w = dequantize(qtype, data, 256).reshape(4, 96, 256)
+    w = dequantize(data.reshape(4, 96, -1), qtype)
+    assert w.shape == (4, 96, 256)
     assert np.isfinite(w).all()
     body = w[:, 1:, 1:]
     assert abs(body.std() - 0.02) < 0.001 and abs(body.mean()) < 0.0005
@@ -105,6 +110,22 @@ def test_written_file_matches_what_llama_cpp_expects(models):
     assert "blk.0.ffn_gate_inp.weight" in q.tensors and "blk.0.attn_q_norm.weight" in q.tensors
     assert not any("shexp" in n or "exp_probs_b" in n for n in q.tensors)
     assert q.tensors["blk.3.attn_q.weight"].qtype == QT.Q8_0
+
+
+def _plain(value):
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def test_header_reader_agrees_with_the_gguf_package(models):
+    # read_gguf parses headers itself (GGUFReader takes seconds on a real vocabulary: see its docstring); the
+    # field's reader checks that it finds the same keys, values, tensors, types and offsets
+    for path in models.values():
+        ours, theirs = read_gguf(path), GGUFReader(path)
+        assert ours.data_offset == theirs.data_offset
+        assert {t.name: (t.shape, t.qtype, ours.data_offset + t.offset, t.nbytes) for t in ours.tensors.values()} == \
+            {t.name: (tuple(t.shape.tolist()), t.tensor_type, t.data_offset, t.n_bytes) for t in theirs.tensors}
+        fields = {key: f.contents() for key, f in theirs.fields.items() if not key.startswith("GGUF.")}
+        assert {key: _plain(value) for key, value in ours.kv.items()} == fields
 
 
 def test_writer_is_deterministic(tmp_path):
@@ -218,6 +239,35 @@ def test_bad_inputs_raise_user_errors(models, tmp_path, llama):
         route_histogram(good, tmp_path, PKG)
     with pytest.raises(UserError, match="no llama_cpp package"):
         route_histogram(good, LIB_DIR, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["missing", "header cut", "data cut", "foreign"])
+def test_cli_refuses_a_bad_model_file_in_one_line(models, tmp_path, kind):
+    good, bad = models["qwen3moe", "q4_0"], tmp_path / "bad.gguf"
+    info, cut_at = read_gguf(good), good.stat().st_size // 2
+    cut = next(t for t in info.tensors.values() if info.data_offset + t.offset + t.nbytes > cut_at)
+    if kind == "header cut":
+        _truncated(good, bad, 500)
+    elif kind == "data cut":
+        _truncated(good, bad, cut_at)
+    elif kind == "foreign":
+        bad.write_text("not a model\n" * 20)
+    redo = "re-create or re-download it"
+    expected = {
+        "missing": f"model file {bad} does not exist: check the path",
+        "header cut": f"{bad} is not a valid GGUF file (ends at byte 500 inside the header): {redo} "
+                      "(a truncated or interrupted write looks like this)",
+        "data cut": f"{bad} is truncated: tensor {cut.name} ends at byte "
+                    f"{info.data_offset + cut.offset + cut.nbytes} but the file has {cut_at}: {redo}",
+        "foreign": f"{bad} is not a valid GGUF file (wrong magic: not a GGUF file): {redo} "
+                   "(a truncated or interrupted write looks like this)",
+    }[kind]
+    # routes reads the header before it looks for llama.cpp: the refusal needs no build
+    proc = subprocess.run([sys.executable, "-m", "pyllama_moe", "routes", str(bad), "--lib", str(tmp_path),
+                           "--llama-cpp-pkg", str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [f"pyllama-moe routes: error: {expected}"]  # one line, no traceback
 
 
 # --- CLI -------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
 
 from pyllama_moe.errors import UserError
 from pyllama_moe.runner import RunSpec, run
@@ -41,24 +42,24 @@ def model(tmp_path_factory) -> Path:
     return write_model(d / "gpt-oss.gguf", resolve_shape("gpt-oss-tiny"), "q8_0", seed=3, progress=False).path
 
 
-def _f32(info, path: Path, name: str) -> np.ndarray:
-    t = info.tensors[name]
-    assert t.qtype == QT.F32, name
-    with open(path, "rb") as f:
-        f.seek(info.data_offset + t.offset)
-        data = np.frombuffer(f.read(t.nbytes), np.float32)
-    return data.reshape(tuple(reversed(t.shape)))  # ggml's ne order -> numpy's
+def _tensors(reader: GGUFReader) -> dict:
+    """The file's tensors by name, their data mapped (numpy shapes: ggml's ne reversed)."""
+    return {t.name: t for t in reader.tensors}
+
+
+def _f32(tensors: dict, name: str) -> np.ndarray:
+    assert tensors[name].tensor_type == QT.F32, name
+    return tensors[name].data
 
 
 def _zeroed(src: Path, dst: Path, names: list[str]) -> Path:
     """A copy of `src` with the data of the named tensors set to zero (names=[]: an identical copy)."""
-    info = read_gguf(src)
     shutil.copyfile(src, dst)
-    with open(dst, "r+b") as f:
-        for name in names:
-            t = info.tensors[name]
-            f.seek(info.data_offset + t.offset)
-            f.write(b"\0" * t.nbytes)
+    reader = GGUFReader(dst, "r+")
+    tensors = _tensors(reader)
+    for name in names:
+        tensors[name].data[...] = 0
+    reader.data.flush()
     return dst
 
 
@@ -85,15 +86,15 @@ def test_file_has_every_key_and_tensor_llama_cpp_requires(model):
 
 
 def test_expert_biases_are_random_per_expert_and_leave_the_massive_coordinate(model):
-    info = read_gguf(model)
+    tensors = _tensors(GGUFReader(model))
     for il in range(4):
         for name in EXPERT_BIASES:
-            b = _f32(info, model, f"blk.{il}.{name}")  # (n_expert, width)
+            b = _f32(tensors, f"blk.{il}.{name}")  # (n_expert, width)
             assert np.isfinite(b).all() and b[:, 1:].std() > 0.1, name
             assert len({row.tobytes() for row in b}) == 16, f"{name}: every expert has a bias of its own"
-        assert (_f32(info, model, f"blk.{il}.ffn_down_exps.bias")[:, 0] == 0).all()
-        assert (_f32(info, model, f"blk.{il}.attn_output.bias") == 0).all()
-        assert _f32(info, model, f"blk.{il}.attn_sinks.weight").std() > 0.3
+        assert (_f32(tensors, f"blk.{il}.ffn_down_exps.bias")[:, 0] == 0).all()
+        assert (_f32(tensors, f"blk.{il}.attn_output.bias") == 0).all()
+        assert _f32(tensors, f"blk.{il}.attn_sinks.weight").std() > 0.3
 
 
 def test_shape_checks():

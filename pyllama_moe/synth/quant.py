@@ -133,19 +133,3 @@ def _scale_table(qtype: QT, std: float) -> np.ndarray:
     d = (0.75 + (r & 0x7FFF) * (0.5 / 32768)) * base
     return np.where(r & 0x8000, -d, d).astype(np.float16).view(np.uint16)
 
-
-def dequantize(qtype: QT, data: np.ndarray, row_len: int) -> np.ndarray:
-    """Float values of Q4_0/Q8_0/F16/F32 bytes (for tests and checks; not used when writing)."""
-    data = np.asarray(data, np.uint8).reshape(-1)
-    if qtype == QT.F32:
-        return data.view(np.float32).reshape(-1, row_len)
-    if qtype == QT.F16:
-        return data.view(np.float16).astype(np.float32).reshape(-1, row_len)
-    blocks = data.reshape(-1, BLOCK_BYTES[qtype])
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    if qtype == QT.Q4_0:
-        qs = blocks[:, 2:]
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32) - 8
-    else:
-        codes = blocks[:, 2:].view(np.int8).astype(np.float32)
-    return (codes * d).reshape(-1, row_len)

@@ -89,7 +89,7 @@ def write_model(path: str | os.PathLike, shape: ModelShape, qtype: str = "q4_0",
                 start = fout.tell()
                 for data in _ordered(pool, spec, seed, window=2 * n_threads):
                     fout.write(memoryview(data))
-                    bar.update(data.nbytes)
+                    bar.update(step=data.nbytes)
                 if fout.tell() - start != spec.nbytes:
                     raise AssertionError(f"{spec.name}: wrote {fout.tell() - start} bytes, expected {spec.nbytes}")
                 _pad(fout, align)
