@@ -165,7 +165,7 @@ THREAD_FLAGS = ("-t", "--threads", "-C", "--cpu-mask", "--cpu-strict")
 def pinned_thread_args(cpus: set[int] | None = None) -> list[str]:
     """llama-bench arguments for one compute thread pinned to each usable CPU but the last: on the GPU machine
     a thread on every CPU was 2-4% faster and several times noisier (the main and CUDA threads had to share
-    a pinned core), see results/gpu-bench-stats.md."""
+    a pinned core), see results/benchmark-statistics.md."""
     cpus = set(os.sched_getaffinity(0)) if cpus is None else cpus
     mask = sum(1 << c for c in cpus)
     return ["-t", str(max(1, len(cpus) - 1)), "-C", hex(mask), "--cpu-strict", "1"]

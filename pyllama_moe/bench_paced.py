@@ -71,7 +71,7 @@ def _turns(order: tuple[str, ...], rep: int, chunked: bool) -> tuple[str, ...]:
     runs right after a chunk of the other build: with A B B A chunks, a build's chunk sometimes ran right after
     its own (its data still in the CPU caches), the second build of the round twice as often as the first; on
     the GPU machine the candidate's ratio was 0.6-0.9% higher in rounds where it ran second than in rounds
-    where it ran first, in all three tg128 runs that results/gpu-bench-stats.md records. Which build
+    where it ran first, in all three tg128 runs that results/benchmark-statistics.md records. Which build
     leads still alternates by round (bench's ABBA order), and a target stops a run only after an even number of
     rounds, so what is left of an order effect cancels."""
     return order if chunked or rep % 2 == 0 else order[::-1]
@@ -81,7 +81,7 @@ def paced_rounds(builds: dict[str, Build], plan: BenchPlan, chunk: int = DEFAULT
     """Paced rounds of the one test in plan.bench_args. A generation test is measured in chunks of `chunk`
     tokens alternating between the builds (0: whole repetitions alternate), so both builds' samples span the
     same seconds: on the GPU machine decode rates jump by 10-20% from one 3-second repetition to the next
-    (results/gpu-bench-stats.md), on both builds at once."""
+    (results/benchmark-statistics.md), on both builds at once."""
     if chunk < 0:
         raise UserError(f"--paced-chunk {chunk} is negative", "give a token count, or 0 to alternate whole repetitions")
     spec = parse_spec(plan.model, plan.bench_args)

@@ -200,7 +200,7 @@ def test_fitted_runs_compute_what_master_computes(patched_build, master_build, s
     assert fitted.logits_sha256 == base.logits_sha256
 
 
-# --- the cold read's findings, each a case that failed before its fix (results/moe-cache-fit.md, "The cold read") ---
+# --- the cold read's findings, each a case that failed before its fix (results/fit.md, "The cold read of `--fit` with the cache") ---
 
 def test_a_second_context_keeps_the_cache_margin_under_a_cap(patched_build, src):
     """The room --fit plans is for one cache: the first cache on the device takes its cap with no margin of its own,

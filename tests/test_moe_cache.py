@@ -6,7 +6,7 @@ planner's CLOCK (never the same ubatch's slots, overflow, remapped ids in range 
 skewed routing, checked against a simulated bank; the same lookup on a flat state, as the device will keep it,
 handed over and back), the prompt planner's resident set (each expert uploaded once
 when they fit; a plain LRU that the case shows thrashing), stats arithmetic and the planted stale slot. The same
-program prints the table of results/cache-planner.md, which must match it.
+program prints the table of results/expert-cache-planner.md, which must match it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from pyllama_moe.paths import PROJECT_ROOT
 
 SOURCES = [PROJECT_ROOT / "native" / "src" / "llama-moe-cache.cpp", PROJECT_ROOT / "tests" / "native" / "test_moe_cache.cpp"]
-RESULTS = PROJECT_ROOT / "results" / "cache-planner.md"
+RESULTS = PROJECT_ROOT / "results" / "expert-cache-planner.md"
 
 
 def _compile(out: Path, *flags: str) -> Path:

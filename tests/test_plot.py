@@ -32,7 +32,7 @@ def _schema2(path, tests, **meta):
 
 
 def _schema1(path, rows):
-    """Like results/bench-gpu-prefetch-final-pp4096.json: no schema, no names, no intervals."""
+    """Like the JSON `bench` wrote before its schema 2 (2026-11-30): no schema, no names, no intervals."""
     tests = [{"test": label, "median_baseline": b, "median_candidate": c, "ratio": c / b, "spread_baseline": 0.05,
               "spread_candidate": 0.08, "samples": {"baseline": [b] * 3, "candidate": [c] * 3}} for label, b, c in rows]
     path.write_text(json.dumps({"meta": {"model": "m.gguf", "baseline": "/b/1", "candidate": "/b/2", "rounds": 2,

@@ -92,7 +92,7 @@ POISON_THEN_SMALL = {"GGML_SCHED_PREFETCH_STAGING_MIB": "2", "GGML_SCHED_PREFETC
     # a reused place overwritten before its last reader (slow computes, fast copies), see the control below
     ("ring-overlap", RING_OVERLAP),
     ("ring-overlap", {**RING_OVERLAP, "GGML_SCHED_PREFETCH_DEBUG_POISON": "1"}),
-    # from the cold read (results/staging-budget.md, "Findings fixed"): one device's arena growth re-checks only
+    # from the cold read (results/prefetch-safety.md, "A cold read of the ring"): one device's arena growth re-checks only
     # that device's headroom; a budget raised to a lone split says so; a small graph right after a large one with
     # the debug poison still queued (see the control below)
     ("headroom-other-device", {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "64"}),

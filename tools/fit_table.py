@@ -1,4 +1,4 @@
-"""The table of results/moe-cache-fit.md from the llama-bench JSON of `ci/gpu/fit.sh bench` (one file per row and round):
+"""The table of results/fit.md from the llama-bench JSON of `ci/gpu/fit.sh bench` (one file per row and round):
 `python3 tools/fit_table.py DIR` (DIR: the step's $OUT)."""
 import json, pathlib, re, statistics, sys
 from pyllama_moe.stats import paired_ratio_interval

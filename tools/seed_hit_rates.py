@@ -1,5 +1,5 @@
 """The decode hit rate of the tokens generated after a prompt, the expert cache's seeding on and off, on SIM with the
-CPU patched build (results/moe-cache-seed.md's table): the tiny qwen3moe of ci/matrix.toml with routing skew 2, a
+CPU patched build (results/expert-cache-seeding-and-profiles.md's table): the tiny qwen3moe of ci/matrix.toml with routing skew 2, a
 2 MiB cache (5 of 16 slots a layer), a 512-token prompt at ub 128 in one call. Run from the project root:
 
     python tools/seed_hit_rates.py

@@ -20,7 +20,7 @@
 # or all of them as one detached pipeline that keeps the GPU busy between device calls, repeating
 #   follow    starts the pipeline once, then follows it for up to FOLLOW_S seconds (560)
 # back to back until it prints "pipeline finished" (a machine is given back 30 s after a call).
-# Threads: --pin-threads (one compute thread pinned per CPU but one: results/gpu-bench-stats.md says why).
+# Threads: --pin-threads (one compute thread pinned per CPU but one: results/benchmark-statistics.md says why).
 # REPS: repetitions per build and paced round (default 4: the process effect, not the repetition, dominates). Results land in $OUT (or ./gpu-out).
 set -uo pipefail
 step=${1:?usage: bench-stats.sh build|study|target|planted|self|rows|rows-mmap|rows-short|all|follow}

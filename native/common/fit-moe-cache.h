@@ -10,7 +10,7 @@
 //   - the cache takes the room first, up to N: at equal memory a cache over every layer leaves no more expert bytes
 //     per decoded token off the GPU than placing whole layers does (equal under uniform routing, fewer under any
 //     skew: each layer keeps its most used experts), and it computes every expert on the GPU in one graph per token
-//     where a host layer computes on the CPU (measured on the H200: results/moe-cache-fit.md);
+//     where a host layer computes on the CPU (measured on the H200: results/fit.md);
 //   - what N leaves of the room goes to whole layers, placed by --fit as without a cache (its target raised by the
 //     cache and the staging);
 //   - a device whose room, or the budget, cannot give n_expert_used slots to each of its host layers gets no cache,

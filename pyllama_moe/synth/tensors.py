@@ -22,7 +22,7 @@ component exactly where we want it:
   effectively a per-expert bias: `skew * z_e` in units of the token-dependent spread, with z_e drawn per
   layer from a centred, standardised exponential distribution (a few experts far more popular than the
   rest). skew = 0 makes column 0 zero: popularity is uniform. With 128 experts / top-8 / 512 tokens the
-  top-10% of experts get ~14% of the selections at skew 0, ~47% at skew 0.5 (measured, results/routes.md).
+  top-10% of experts get ~14% of the selections at skew 0, ~47% at skew 0.5 (measured, results/synthetic-models.md).
 * Q4_0/Q8_0 codes get random-signed scales (see quant.py) so no matrix has a mean, the SwiGLU experts have
   zero-mean outputs by symmetry, and glm4moe's v bias is zero, so no layer adds a shared direction by
   accident. (glm4moe's exp_probs_b is nearly zero for the same reason: skew comes from the router only.)

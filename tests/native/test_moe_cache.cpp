@@ -3,8 +3,8 @@
 //
 //   c++ -std=c++17 -O2 -I native/src native/src/llama-moe-cache.cpp tests/native/test_moe_cache.cpp -o t
 //   t CASE    CASE: one of the names in main(), or "all"
-//   t sim     the hit-rate table of results/cache-planner.md
-//   t first-tokens  the planner's hit rates of the first tokens after a prompt, seeded or not (results/moe-cache-seed.md)
+//   t sim     the hit-rate table of results/expert-cache-planner.md
+//   t first-tokens  the planner's hit rates of the first tokens after a prompt, seeded or not (results/expert-cache-seeding-and-profiles.md)
 //
 // Routing is drawn like the synthetic models' (pyllama_moe/synth/tensors.py): per token, router logits N(0, 1)
 // plus skew * z_e, z_e fixed per expert from a centred, standardised exponential; the top-k of them. The
@@ -730,7 +730,7 @@ static void skip_fill() {
 }
 
 //
-// the table of results/cache-planner.md
+// the table of results/expert-cache-planner.md
 //
 
 static double top10_share(const std::vector<int32_t> & ids, int32_t n_expert) {
@@ -1263,7 +1263,7 @@ static void seed_by_routing() {
     check_cache(k);
 }
 
-// `t first-tokens`: results/moe-cache-seed.md's planner-only estimate for the H200 measurement of the first tokens
+// `t first-tokens`: results/expert-cache-seeding-and-profiles.md's planner-only estimate for the H200 measurement of the first tokens
 // after a prompt: the 30B-A3B shape (128 experts, top-8, skew 0.5) with 64 slots, 8 prompt ubatches of 512 staged
 // ahead of the router, then 16 decode tokens, 96 more, and 16 steady ones; the mean hit rates over 40 draws
 static int first_tokens_sim() {

@@ -999,7 +999,7 @@ static int ring_overlap(const std::string & name) {
     return 0;
 }
 
-// --- from a cold read of the staging ring (results/staging-budget.md, "Findings fixed") ---
+// --- from a cold read of the staging ring (results/prefetch-safety.md, "A cold read of the ring") ---
 
 // the depth the mixed-sizes cases run at: GGML_SCHED_PREFETCH_DEPTH if set, else 4
 static int env_depth(int def) {
