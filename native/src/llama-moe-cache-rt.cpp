@@ -599,7 +599,8 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
         }
     }
     if (cand.empty()) {
-        LLAMA_LOG_INFO("llama_moe: expert cache of %" PRId64 " MiB not made: %s\n", budget_mib,
+        // a warning: the user asked for a cache, and tools such as llama-server print no info lines by default
+        LLAMA_LOG_WARN("llama_moe: expert cache of %" PRId64 " MiB not made: %s\n", budget_mib,
                 why_none.empty() ? "no MoE layer has its experts on the host (all are on a device already)" : why_none.c_str());
         return nullptr;
     }
