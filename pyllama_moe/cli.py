@@ -151,10 +151,10 @@ PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirect
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:
-        hint = " (llama-bench style arguments go after --)" if hasattr(args, "bench_args") else ""
-        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     prog = f"pyllama-moe {args.verb}"
+    if extra:  # argparse would name the top-level parser, not the verb whose arguments these were
+        hint = " (llama-bench style arguments go after --)" if hasattr(args, "bench_args") else ""
+        return _refused(prog, f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

@@ -68,6 +68,7 @@ CASES = [
     ("bench", "cross-option", ["--model", "{model}", "--", "-ncmoe", "0,9"], "-ncmoe"),
     ("bench", "cross-option", ["--model", "{model}", "-t", "2", "--pin-threads"], "--pin-threads"),
     ("bench", "cross-option", ["--model", "{model}", "--json", "{model}"], "--json"),
+    ("bench", "cross-option", ["--model", "{model}", "-ub", "64"], "-ub"),
     ("demo", "negative count", ["-t", "-4"], "-t/--threads"),
     ("demo", "non-number", ["-t", "x"], "-t/--threads"),
     ("demo", "missing input", ["--sdist", "{tmp}/no.tar.gz"], "--sdist"),
