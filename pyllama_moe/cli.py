@@ -7,16 +7,19 @@ import json
 import sys
 from pathlib import Path
 
-from pyllama_moe.cli_args import add_build_args, add_source_args
+from pyllama_moe.cli_args import (OneLineParser, VersionAction, add_build_args, add_source_args, count, output_dir,
+                                  output_file, refuse_overwrite)
 from pyllama_moe.errors import UserError
 
 
 def cmd_source(args) -> int:
     from pyllama_moe import packs, source
 
+    out = args.output or Path(f"llama.cpp-{args.variant}.tar.gz")
+    if args.action == "pack":
+        refuse_overwrite({"-o/--output": out}, {"--sdist": args.sdist})
     src = source.ensure_source(args.sdist, args.llama_src)
     if args.action == "pack":
-        out = args.output or Path(f"llama.cpp-{args.variant}.tar.gz")
         packs.pack(args.variant, out, src)
         return 0
     info = {"llama_cpp_dir": str(src.llama_dir), "python_dir": str(src.python_dir) if src.python_dir else None,
@@ -30,9 +33,12 @@ def cmd_patches(args) -> int:
     from pyllama_moe.paths import PROJECT_ROOT
     from pyllama_moe.pin import load_pin
 
+    scratch = args.dir or (PROJECT_ROOT / ".work" / "llama.cpp")
+    if args.action == "export" and not scratch.is_dir():  # export reads it: say so before fetching the source
+        raise UserError(f"--dir {scratch}: no scratch repo there",
+                        "run `pyllama-moe patches apply` first (or pass --dir)")
     src = source.ensure_source(args.sdist, args.llama_src)
     label = load_pin().label
-    scratch = args.dir or (PROJECT_ROOT / ".work" / "llama.cpp")
     if args.action == "apply":
         patches.apply_scratch(src.llama_dir, scratch, label, force=args.force)
         print(f"scratch repo: {scratch} (base tagged `{patches.BASE_TAG}`, {len(patches.read_series())} patches, native/ overlaid)")
@@ -81,22 +87,28 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="pyllama-moe",
         description="Pinned llama.cpp + MoE offload patch series: fetch, patch, build, run, compare, benchmark.")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = sub.add_parser("source", help="fetch + verify the pinned sdist; `source pack` writes a pruned source archive")
-    p.add_argument("action", nargs="?", choices=("show", "pack"), default="show")
+    p.add_argument("action", nargs="?", choices=("show", "pack"), default="show",
+                   help="show: where the verified source is; pack: write it as an archive")
     p.add_argument("--variant", choices=("master", "patched"), default="patched", help="tree to pack")
-    p.add_argument("-o", "--output", type=Path, help="archive path for `pack` (default: ./llama.cpp-<variant>.tar.gz)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("-o", "--output", type=output_file("archive"),
+                   help="archive path for `pack` (default: ./llama.cpp-<variant>.tar.gz)")
+    p.add_argument("--json", action="store_true", help="print JSON")
     add_source_args(p)
     p.set_defaults(func=cmd_source)
 
     p = sub.add_parser("patches", help="apply the series to a scratch repo, export it back, or check it")
-    p.add_argument("action", choices=("apply", "export", "check"))
-    p.add_argument("--dir", type=Path, help="scratch repo (default: .work/llama.cpp in the project)")
+    p.add_argument("action", choices=("apply", "export", "check"),
+                   help="apply: make the scratch repo; export: write patches/ from it; check: the series applies and "
+                        "exports unchanged")
+    p.add_argument("--dir", type=output_dir("scratch repo"),
+                   help="scratch repo (default: .work/llama.cpp in the project)")
     p.add_argument("--force", action="store_true", help="apply: replace an existing scratch repo")
     add_source_args(p)
     p.set_defaults(func=cmd_patches)
@@ -104,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", help="configure + build a variant (reused when its key is unchanged)")
     add_build_args(p)
     p.add_argument("--targets", help="comma-separated ninja targets (default: libllama and the harness tools)")
-    p.add_argument("-j", "--jobs", type=int)
+    p.add_argument("-j", "--jobs", type=count("a job count"), help="parallel compile jobs (default: ninja's choice)")
     p.add_argument("--cuda-arch", default="native",
                    help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native, the GPUs present, as llama.cpp's "
                         "CMake; e.g. 86-real, 89-real, 90-real to build for another)")
@@ -132,14 +144,31 @@ def _registries():
             server_soak.register)
 
 
+# what a user's path can raise after the checks (a file removed or made unreadable meanwhile): theirs to fix
+PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    prog = f"pyllama-moe {args.verb}"
+    if extra:  # argparse would name the top-level parser, not the verb whose arguments these were
+        hint = " (llama-bench style arguments go after --)" if hasattr(args, "bench_args") else ""
+        return _refused(prog, f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        sys.stderr.write(f"pyllama-moe {args.verb}: error: {exc}\n")
-        return 2
+        return _refused(prog, str(exc))
+    except PATH_ERRORS as exc:
+        if exc.filename is None:  # not about a path the user gave: a bug, with its traceback
+            raise
+        return _refused(prog, f"{exc.filename}: {exc.strerror}")
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
+        sys.stderr.write(f"{prog}: interrupted\n")
         return 130
+
+
+def _refused(prog: str, message: str) -> int:
+    """One line, as argparse writes its own errors, and exit 2."""
+    sys.stderr.write(f"{prog}: error: {' '.join(message.split())}\n")
+    return 2

@@ -1,22 +1,343 @@
-"""Argument groups that several verbs share (kept apart from cli.py, which imports every verb module)."""
+"""Argument groups that several verbs share (kept apart from cli.py, which imports every verb module), and the
+checks every verb's input goes through before any work: argparse `type=` functions that range-check a number or
+a path at parse time, the parser class that reports a bad argument in one line, and the checks across options."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 from pathlib import Path
+from typing import Callable
 
+from pyllama_moe.errors import UserError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad input: argparse's own line `PROG: error: MESSAGE` and exit 2, without the usage block above it (the
+    error names the flag; `--help` has the rest). Help lists every option's default (DefaultsHelpFormatter)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it or the option is required."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if text is argparse.SUPPRESS or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if not action.option_strings and action.nargs != "?":  # a positional the user must give
+            return text
+        if action.required:
+            return f"{text} (required)"
+        return f"{text} (default: {shown_default(action.default).replace('%', '%%')})"
+
+
+def shown_default(value) -> str:
+    """A default as a user reads it: a switch is off, an unset value is none."""
+    if value is None or value == []:
+        return "none"
+    if value is False:
+        return "off"
+    if value is True:
+        return "on"
+    return str(value)
+
+
+class VersionAction(argparse.Action):
+    """`--version`: the package, the pin and the patch series, read only when asked (the digest reads every patch)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print the version, the pinned llama.cpp and the patch series, and exit"):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit(0)
+
+
+def version_line() -> str:
+    from pyllama_moe import __version__, patches
+    from pyllama_moe.pin import load_pin
+
+    pin = load_pin()
+    series = patches.read_series()
+    return (f"pyllama-moe {__version__}: {pin.package} {pin.version}, llama.cpp {pin.commit_full}; patch series of "
+            f"{len(series)} patches and native/, digest {patches.inputs_digest(series)[:16]}")
+
+
+# ---- numbers ---------------------------------------------------------------------------------------------------
+
+def _range_text(low, high, low_open: bool = False, high_open: bool = False) -> str:
+    below = None if low is None else (f"more than {low}" if low_open else f"at least {low}")
+    above = None if high is None else (f"less than {high}" if high_open else f"at most {high}")
+    if below and above and not (low_open or high_open):
+        return f"{low} to {high}"
+    return " and ".join(part for part in (below, above) if part)
+
+
+def _outside(value, low, high, low_open: bool = False, high_open: bool = False) -> bool:
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    return too_low or too_high
+
+
+def whole_number(noun: str, low: int | None = None, high: int | None = None, note: str = "") -> Callable[[str], int]:
+    """An argparse type: an int from low to high, else one line naming the value, what it should be and the range
+    (`-5 is not a MiB count (at least 0)`); `note` says what a special value means or why one is refused."""
+    rule = _range_text(low, high) + (f"; {note}" if note else "")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun} (a whole number, {rule})") from None
+        if _outside(value, low, high):
+            raise argparse.ArgumentTypeError(f"{value} is not {noun} ({rule})")
+        return value
+
+    parse.__name__ = noun
+    return parse
+
+
+def real_number(noun: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+                high_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float within the range (open ends where said), else one line as whole_number's."""
+    rule = _range_text(low, high, low_open, high_open)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun} (a number, {rule})") from None
+        if not math.isfinite(value) or _outside(value, low, high, low_open, high_open):
+            raise argparse.ArgumentTypeError(f"{text} is not {noun} ({rule})")
+        return value
+
+    parse.__name__ = noun
+    return parse
+
+
+def count(noun: str) -> Callable[[str], int]:
+    """A count of things of which one at least is needed: rounds, tokens, slots..."""
+    return whole_number(noun, 1)
+
+
+def seconds(noun: str = "a time in seconds") -> Callable[[str], float]:
+    return real_number(noun, 0, low_open=True)
+
+
+MIB = whole_number("a MiB count", 0)
+SEED = whole_number("a seed", 0)
+# llama.cpp's -t 0 (as any -t <= 0 there) means every hardware thread: the same here, where a thread count is
+# passed to llama.cpp; below 0 is refused rather than guessed
+LLAMA_THREADS = whole_number("a thread count", 0, note="0: all cores, as llama.cpp's -t 0")
+
+
+def threads_or_all(value: int | None, default: int) -> int:
+    """A thread count as llama.cpp reads -t: 0 is every core; None (not given) is `default`."""
+    if value == 0:
+        return os.cpu_count() or 1
+    return default if value is None else value
+
+
+def choice_list(noun: str, choices: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: comma-separated names, each one of `choices` (kept as the string the verb splits)."""
+    def parse(text: str) -> str:
+        for item in text.split(","):
+            if item not in choices:
+                raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not {noun} (one of: {', '.join(choices)})")
+        return text
+
+    parse.__name__ = noun
+    return parse
+
+
+# ---- paths -----------------------------------------------------------------------------------------------------
+
+def _path_type(noun: str, problem: Callable[[Path], str | None], stdout_dash: bool = False) -> Callable[[str], Path]:
+    """An argparse type for a path: `problem` says what is wrong with it (None: nothing), after the path in
+    argparse's one line; `-` passes as itself where it means stdout."""
+    def parse(text: str) -> Path:
+        if stdout_dash and text == "-":
+            return text
+        why = problem(Path(text))
+        if why:
+            raise argparse.ArgumentTypeError(f"{text} {why}")
+        return Path(text)
+
+    parse.__name__ = noun
+    return parse
+
+
+def input_file(noun: str) -> Callable[[str], Path]:
+    """An argparse type: an existing, readable file."""
+    def problem(path: Path) -> str | None:
+        if not path.exists():
+            return f"does not exist (the {noun} to read)"
+        if not path.is_file():
+            return f"is not a file (the {noun} to read)"
+        return None if os.access(path, os.R_OK) else f"is not readable (the {noun} to read)"
+
+    return _path_type(noun, problem)
+
+
+def input_dir(noun: str) -> Callable[[str], Path]:
+    """An argparse type: an existing folder."""
+    def problem(path: Path) -> str | None:
+        if path.is_dir():
+            return None
+        return f"{'is not a folder' if path.exists() else 'does not exist'} (the {noun})"
+
+    return _path_type(noun, problem)
+
+
+def output_file(noun: str, stdout_dash: bool = False) -> Callable[[str], Path]:
+    """An argparse type: a file that can be written: not a folder, in an existing folder that is writable (checked
+    before any work, so a long run does not end in a traceback at its last step); `-` for stdout where allowed."""
+    def problem(path: Path) -> str | None:
+        if path.is_dir():
+            return f"is a folder (the {noun} to write: give a file name)"
+        return _folder_problem(path.parent, create=False)
+
+    return _path_type(noun, problem, stdout_dash)
+
+
+def output_dir(noun: str) -> Callable[[str], Path]:
+    """An argparse type: a folder made when missing: not a file, and its nearest existing folder writable."""
+    def problem(path: Path) -> str | None:
+        if path.exists() and not path.is_dir():
+            return f"is a file (the {noun}: give a folder, made when missing)"
+        return _folder_problem(path, create=True)
+
+    return _path_type(noun, problem)
+
+
+def _folder_problem(folder: Path, create: bool) -> str | None:
+    """What keeps a file from being written in `folder` (with `create`, in folders made below its nearest one)."""
+    folder = Path(os.path.abspath(folder))
+    if create:  # the nearest folder that exists is where the missing ones will be made
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+    if not folder.exists():
+        return f"is in folder {folder}, which does not exist (create it first)"
+    if not folder.is_dir():
+        return f"is below {folder}, which is not a folder"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"is in folder {folder}, which is not writable"
+
+
+def refuse_overwrite(outputs: dict[str, Path | str | None], inputs: dict[str, Path | str | None]) -> None:
+    """An output that is one of the inputs would be lost when the output is written: refuse before any work."""
+    for out_flag, out in outputs.items():
+        if out is None or out == "-":
+            continue
+        for in_flag, given in inputs.items():
+            if given is not None and os.path.abspath(out) == os.path.abspath(given):
+                raise UserError(f"{out_flag} {out} is also the {in_flag}: writing it would overwrite that input",
+                                f"give {out_flag} another file")
+
+
+# ---- models and llama-bench arguments ---------------------------------------------------------------------------
+
+def model_header(model: Path, flag: str = "--model"):
+    """A GGUF's header, read before any build: a foreign or cut-short file is a UserError that names the flag."""
+    from pyllama_moe.synth.gguf_read import read_gguf
+
+    try:
+        return read_gguf(model)
+    except UserError as exc:
+        raise UserError(f"argument {flag}: {exc.what}", exc.fix) from None
+
+
+def check_cpu_moe_layers(flag: str, n_cpu_moe: int, model: Path, model_flag: str = "--model") -> None:
+    """The model's header read (so a bad model stops here), and its layers against an -ncmoe count."""
+    n_layer = int(model_header(model, model_flag).arch_key("block_count", 0))
+    if n_layer and n_cpu_moe > n_layer:
+        raise UserError(f"argument {flag}: {n_cpu_moe} is more than the {n_layer} layers of {model}",
+                        f"give 0 to {n_layer}")
+
+
+def check_cache_has_a_device(flag: str, backend: str, env: dict[str, str] | None = None) -> None:
+    """The expert cache holds host experts on a GPU: a CPU build has none, and the build would run without a cache
+    and say so only in an info line. GGML_SIM_DEVICES (the test double that simulates devices) gives it one."""
+    if backend == "cpu" and not {**os.environ, **(env or {})}.get("GGML_SIM_DEVICES"):
+        raise UserError(f"{flag} asks for an expert cache, which lives on a GPU, and a CPU build has none",
+                        f"use --backend cuda, drop {flag} (or give 0), or simulate a device with GGML_SIM_DEVICES=1")
+
+
+# llama-bench's numeric flags (tools/llama-bench and this series' tools patches): what a value is, and its range.
+# A value is a comma-separated list whose elements may be ranges first-last[+step|*step]; each element is checked.
+_BENCH_NUMBERS = {
+    ("-p", "--n-prompt"): ("a prompt length", 0, None), ("-n", "--n-gen"): ("a generation length", 0, None),
+    ("-d", "--n-depth"): ("a depth", 0, None), ("-b", "--batch-size"): ("a batch size", 1, None),
+    ("-ub", "--ubatch-size"): ("a ubatch size", 1, None), ("-t", "--threads"): ("a thread count", 1, None),
+    ("--poll",): ("a poll percentage", 0, 100), ("-ngl", "--n-gpu-layers"): ("a GPU layer count", -1, None),
+    ("-ncmoe", "--n-cpu-moe"): ("a count of MoE layers", 0, None), ("-mg", "--main-gpu"): ("a GPU index", 0, None),
+    ("-mcm", "--moe-cache-mib"): ("a MiB count", 0, None), ("-mcs", "--moe-cache-seed"): ("a switch", 0, 1),
+    ("-pf", "--sched-prefetch"): ("a prefetch mode", 0, 2), ("-pfd", "--sched-prefetch-depth"): ("a depth", 2, 8),
+    ("-pfs", "--sched-prefetch-staging"): ("a MiB count", 0, None),
+}
+BENCH_NUMBERS = {flag: rule for flags, rule in _BENCH_NUMBERS.items() for flag in flags}
+_BENCH_ELEMENT = re.compile(r"^(-?\d+)(?:-(\d+)(?:[+*](\d+))?)?$")
+
+
+def check_bench_numbers(bench_args: list[str], tool: str = "llama-bench") -> None:
+    """Each value of a numeric llama-bench flag within its range, element by element, before any build: llama-bench
+    itself takes -ub 0 and fails only at its run, or, for some, runs on with a value that means nothing."""
+    for flag, value in zip(bench_args, bench_args[1:]):
+        rule = BENCH_NUMBERS.get(flag)
+        if rule is None:
+            continue
+        noun, low, high = rule
+        for element in value.split(","):
+            match = _BENCH_ELEMENT.match(element)
+            where = f" in {value}" if element != value else ""
+            if match is None:
+                raise UserError(f"argument {flag} ({tool}): {element!r}{where} is not {noun} (a whole number, or a "
+                                f"range first-last[+step|*step], {_range_text(low, high)})")
+            for number in (n for n in match.group(1, 2) if n is not None):
+                if _outside(int(number), low, high):
+                    raise UserError(f"argument {flag} ({tool}): {number}{where} is not {noun} "
+                                    f"({_range_text(low, high)})")
+
+
+def bench_flag_values(bench_args: list[str], flags: tuple[str, ...]) -> list[int]:
+    """Every number given to any of `flags` (the elements of lists and the ends of ranges), for checks against the
+    model."""
+    numbers = []
+    for flag, value in zip(bench_args, bench_args[1:]):
+        if flag in flags:
+            for element in value.split(","):
+                match = _BENCH_ELEMENT.match(element)
+                numbers += [int(n) for n in match.group(1, 2) if n is not None] if match else []
+    return numbers
+
+
+# ---- argument groups -----------------------------------------------------------------------------------------
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("source (default: download the pinned sdist into the cache)")
-    g.add_argument("--sdist", type=Path, help="use this llama-cpp-python sdist (verified against the pin) instead of downloading")
-    g.add_argument("--llama-src", type=Path, help="use your own llama.cpp checkout of the pinned commit")
+    g.add_argument("--sdist", type=input_file("sdist"),
+                   help="use this llama-cpp-python sdist (verified against the pin) instead of downloading (default: "
+                        "download it once into the cache)")
+    g.add_argument("--llama-src", type=input_dir("llama.cpp checkout"),
+                   help="use your own llama.cpp checkout of the pinned commit (default: the sdist's)")
 
 
 def add_build_args(p: argparse.ArgumentParser, variant_default: str | None = "patched") -> None:
     from pyllama_moe.build import BACKENDS
     from pyllama_moe.trees import VARIANTS
 
-    p.add_argument("--variant", choices=VARIANTS, default=variant_default, required=variant_default is None)
-    p.add_argument("--backend", choices=BACKENDS, default="cpu")
-    p.add_argument("--archive", type=Path, help="build from a `source pack` archive (its manifest is checked)")
+    p.add_argument("--variant", choices=VARIANTS, default=variant_default, required=variant_default is None,
+                   help="master (the pin as it is) or patched (the pin with this patch series)")
+    p.add_argument("--backend", choices=BACKENDS, default="cpu", help="the ggml backend the build is made for")
+    p.add_argument("--archive", type=input_file("archive"),
+                   help="build from a `source pack` archive (its manifest is checked)")
     add_source_args(p)

@@ -5,19 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
+from pyllama_moe.cli_args import (LLAMA_THREADS, MIB, check_bench_numbers, check_cache_has_a_device,
+                                  check_cpu_moe_layers, choice_list, count, input_dir, input_file, model_header,
+                                  output_file, real_number, refuse_overwrite, seconds, threads_or_all, whole_number)
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import CI_DIR
 
 DEFAULT_MATRIX = CI_DIR / "matrix.toml"
 DEFAULT_BENCH_ARGS = ["-p", "512", "-n", "32", "-ub", "512", "-t", "2"]  # llama-bench fits only with -fitt
 DEFAULT_TARGET_SECONDS = 900.0  # bench --target-ci without --max-seconds
+DEFAULT_PROMPT = "The quick brown fox"
 
 
 def _threads(args) -> int:
-    return args.threads or min(4, os.cpu_count() or 1)
+    return threads_or_all(args.threads, min(4, os.cpu_count() or 1))
 
 
 def _source(args):
@@ -43,26 +48,66 @@ def _profile_env(path: Path | None) -> dict[str, str]:
     return {} if path is None else {"LLAMA_MOE_CACHE_PROFILE": str(Path(path).resolve())}
 
 
+def _check_run(args) -> None:
+    """Everything `run` can refuse, before it fetches or builds anything."""
+    for flag, value in (("--moe-cache-mib", args.moe_cache_mib), ("--moe-cache-seed", args.moe_cache_seed),
+                        ("--moe-cache-profile", args.moe_cache_profile)):
+        if value is not None and args.variant != "patched":
+            raise UserError(f"{flag} needs the patched build (master has no expert cache)",
+                            "drop it or use --variant patched")
+    if args.moe_cache_mib:  # 0 is no cache, on any build
+        check_cache_has_a_device("-mcm/--moe-cache-mib", args.backend)
+    if args.prompt_file is not None and args.prompt is not None:
+        raise UserError("--prompt and --prompt-file both give the prompt", "give one of them")
+    refuse_overwrite({"--logits-out": args.logits_out}, {"model": args.model, "--prompt-file": args.prompt_file,
+                                                         "--moe-cache-profile": args.moe_cache_profile})
+    check_cpu_moe_layers("-ncmoe/--n-cpu-moe", args.n_cpu_moe, args.model, "model")
+    if args.moe_cache_profile is not None and args.moe_cache_profile.exists():
+        _check_profile_fits(args.moe_cache_profile, args.model)
+
+
+def _check_profile_fits(path: Path, model: Path) -> None:
+    """A profile that is no profile, or one of another model, is refused before the run: the build would only log
+    the refusal and run on with an empty cache. (The router weights' hash only the build can check.)"""
+    from pyllama_moe import profile
+
+    try:
+        p = profile.read(path)
+    except UserError as exc:
+        raise UserError(f"argument --moe-cache-profile: {exc.what}", exc.fix) from None
+    info = model_header(model, "model")
+    ours = (p.arch, p.n_layer, p.n_expert, p.n_expert_used)
+    theirs = (info.arch, int(info.arch_key("block_count", 0)), int(info.arch_key("expert_count", 0)),
+              int(info.arch_key("expert_used_count", 0)))
+    if ours != theirs:
+        raise UserError(f"argument --moe-cache-profile: {path} is of another model ({p.arch}, {p.n_layer} layers, "
+                        f"{p.n_expert} experts, top-{p.n_expert_used}; {model}: {theirs[0]}, {theirs[1]} layers, "
+                        f"{theirs[2]} experts, top-{theirs[3]})", "give this model's profile, or a new file to start one")
+
+
+def _show_moe_alerts(lines: list[str]) -> None:
+    """The patched build's warnings and errors (a refused profile, a cache that did not fit), which change what
+    the run measured: shown on stderr, above the result."""
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
 def cmd_run(args) -> int:
     from pyllama_moe import runner
     from pyllama_moe.build import resolve
 
+    _check_run(args)
+    prompt = args.prompt_file.read_text() if args.prompt_file else (args.prompt or DEFAULT_PROMPT)
     src = _source(args)
     built = resolve(args.variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, archive=args.archive,
                     make=not args.no_build)
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     spec = runner.RunSpec(model=args.model, prompt=prompt, n_gpu_layers=args.ngl, cpu_moe=args.cpu_moe,
                           n_cpu_moe=args.n_cpu_moe, load_mode=args.load_mode, repack=not args.no_repack,
                           n_ubatch=args.ubatch, threads=_threads(args), generate=args.generate,
                           moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None,
                           env={**_seed_env(args.moe_cache_seed), **_profile_env(args.moe_cache_profile)})
-    if args.moe_cache_mib is not None and built.variant != "patched":
-        raise UserError("--moe-cache-mib needs the patched build (master has no expert cache)", "drop it or use --variant patched")
-    if args.moe_cache_seed is not None and built.variant != "patched":
-        raise UserError("--moe-cache-seed needs the patched build (master has no expert cache)", "drop it or use --variant patched")
-    if args.moe_cache_profile is not None and built.variant != "patched":
-        raise UserError("--moe-cache-profile needs the patched build (master has no expert cache)", "drop it or use --variant patched")
     result = runner.run(built, src, spec)
+    _show_moe_alerts(result.moe_alerts)
     if args.logits_out:
         import numpy as np
 
@@ -115,6 +160,7 @@ def run_compare(args) -> tuple[int, list, dict]:
 
 
 def cmd_compare(args) -> int:
+    refuse_overwrite({"--json": args.json}, {"--matrix": args.matrix})
     return run_compare(args)[0]
 
 
@@ -141,19 +187,12 @@ def run_bench(args, model: Path) -> str:
                        archive=archive, other_series=other_series, targets=bench_limits.BENCH_TARGETS[variant])
 
     archives = {"baseline": args.baseline_archive, "candidate": args.candidate_archive}
-    builds = {side: build(getattr(args, side), archives[side]) for side in ("baseline", "candidate")}
     names = {"baseline": args.baseline, "candidate": args.candidate}
     if args.baseline == args.candidate:
         # the same variant twice: told apart by the archive each side was built from, where one was given
         names = {side: f"{getattr(args, side)} ({archives[side].name if archives[side] else ab})"
                  for side, ab in (("baseline", "A"), ("candidate", "B"))}
-    bench_args = list(args.bench_args or DEFAULT_BENCH_ARGS)
-    if args.pin_threads:
-        given = [a for a in bench_args if a in bench.THREAD_FLAGS]
-        if given:
-            raise UserError(f"--pin-threads chooses the threads itself, but the llama-bench arguments set {given[0]}",
-                            "drop --pin-threads or the thread arguments")
-        bench_args += bench.pinned_thread_args()
+    bench_args = _thread_args(args, list(args.bench_args or DEFAULT_BENCH_ARGS))
     limit = bench_limits.parse_limit_row(args.limit_row) if args.limit_row else None
     plan = bench.BenchPlan(model=model, bench_args=bench_args, reps=args.reps, discard=args.discard,
                            rounds=args.rounds, warmup_rounds=args.warmup_rounds, target_ci=args.target_ci,
@@ -171,6 +210,8 @@ def run_bench(args, model: Path) -> str:
                             "use --candidate patched")
         plan.env["candidate"].update(_seed_env(args.moe_cache_seed))
     plan.check()
+    _check_bench_model(args, model, bench_args, plan.env["candidate"])
+    builds = {side: build(getattr(args, side), archives[side]) for side in ("baseline", "candidate")}
     probes = []
     if args.pcie_bound:
         probes = [p for p in [bench_limits.run_copy_probe(builds)] if p]
@@ -229,6 +270,39 @@ def run_bench(args, model: Path) -> str:
     return "\n".join(lines)
 
 
+def _thread_args(args, bench_args: list[str]) -> list[str]:
+    """llama-bench's threads from one place: the user's own llama-bench arguments, --pin-threads, or bench -t N
+    (0: all cores, as llama.cpp's -t 0), each in place of the default arguments' -t."""
+    from pyllama_moe import bench
+
+    own = [a for a in (args.bench_args or []) if a in bench.THREAD_FLAGS]
+    ways = [way for way, given in (("-t/--threads", args.threads is not None), ("--pin-threads", args.pin_threads),
+                                   (f"the llama-bench argument {own[0]}" if own else "", bool(own))) if given]
+    if len(ways) > 1:
+        raise UserError(f"{ways[0]} and {ways[1]} both set llama-bench's threads", "give one of them")
+    if args.threads is None and not args.pin_threads:
+        return bench_args
+    without_t = [a for i, a in enumerate(bench_args) if "-t" not in (a, bench_args[i - 1] if i else None)]
+    if args.pin_threads:
+        return without_t + bench.pinned_thread_args()
+    return without_t + ["-t", str(threads_or_all(args.threads, 1))]
+
+
+def _check_bench_model(args, model: Path, bench_args: list[str], candidate_env: dict[str, str]) -> None:
+    """The checks that need the model or the whole plan, before either build."""
+    from pyllama_moe.cli_args import bench_flag_values
+
+    refuse_overwrite({"--json": args.json}, {"--model": model})
+    if args.moe_cache_mib or any(bench_flag_values(bench_args, ("-mcm", "--moe-cache-mib"))):
+        check_cache_has_a_device("-mcm/--moe-cache-mib", args.backend, candidate_env)
+    for n_cpu_moe in bench_flag_values(bench_args, ("-ncmoe", "--n-cpu-moe")) or [0]:  # [0]: the header still read
+        check_cpu_moe_layers("-ncmoe (llama-bench)", n_cpu_moe, model)
+    if args.archive_dir is not None and not args.archive_dir.is_dir() and None in (args.baseline_archive,
+                                                                                      args.candidate_archive):
+        raise UserError(f"--archive-dir {args.archive_dir} is not a folder",
+                        "give the folder of `source pack` archives")
+
+
 def cmd_bench(args) -> int:
     from pyllama_moe import models
     from pyllama_moe.matrix import load_matrix
@@ -237,9 +311,7 @@ def cmd_bench(args) -> int:
         args.bench_args = args.bench_args[1:]
     if args.target_ci and args.max_seconds is None:
         args.max_seconds = DEFAULT_TARGET_SECONDS
-    for flag, archive in (("--baseline-archive", args.baseline_archive), ("--candidate-archive", args.candidate_archive)):
-        if archive is not None and not archive.is_file():
-            raise UserError(f"{flag} {archive}: no such file", "give a `pyllama-moe source pack` archive")
+    check_bench_numbers(args.bench_args or [])  # before a --synth model is made
     if args.model:
         model = args.model
     else:
@@ -274,7 +346,7 @@ def cmd_demo(args) -> int:
     model = models.ensure_model("qwen3moe", matrix.models["qwen3moe"])
     args.bench_args, args.rounds, args.reps, args.discard, args.warmup_rounds = None, 2, 3, 1, 0
     args.candidate_env = args.baseline_env = args.limit_row = args.target_ci = args.max_seconds = args.moe_cache_mib = None
-    args.moe_cache_seed = None
+    args.moe_cache_seed = args.baseline_archive = args.candidate_archive = None
     args.limit_from = "own"
     args.pcie_bound = args.paced = args.pin_threads = False
     args.paced_chunk = 0
@@ -290,7 +362,8 @@ def cmd_demo(args) -> int:
     return rc
 
 
-def _add_common(p: argparse.ArgumentParser, variant: bool = False) -> None:
+def _add_common(p: argparse.ArgumentParser, variant: bool = False,
+                threads_help: str = "CPU threads (default: min(4, cores); 0: all cores, as llama.cpp's -t 0)") -> None:
     from pyllama_moe.cli_args import add_build_args, add_source_args
 
     if variant:
@@ -298,71 +371,85 @@ def _add_common(p: argparse.ArgumentParser, variant: bool = False) -> None:
     else:
         add_source_args(p)
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing build")
-    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: min(4, cores))")
+    p.add_argument("-t", "--threads", type=LLAMA_THREADS, help=threads_help)
 
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="run a GGUF with one build: all-position logits and greedy text")
-    p.add_argument("model", type=Path)
+    p.add_argument("model", type=input_file("model"), help="the GGUF file")
     _add_common(p, variant=True)
-    p.add_argument("--prompt", default="The quick brown fox")
-    p.add_argument("--prompt-file", type=Path)
-    p.add_argument("-ngl", "--n-gpu-layers", dest="ngl", type=int, default=99)
-    p.add_argument("-cmoe", "--cpu-moe", action="store_true")
-    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0)
-    p.add_argument("-lm", "--load-mode", choices=("mmap", "none"), default="mmap")
-    p.add_argument("-nr", "--no-repack", action="store_true")
-    p.add_argument("-ub", "--ubatch", type=int, default=512)
-    p.add_argument("-n", "--generate", type=int, default=32)
-    p.add_argument("-mcm", "--moe-cache-mib", type=int, metavar="MIB",
+    p.add_argument("--prompt", help=f"the prompt text (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--prompt-file", type=input_file("prompt file"), help="read the prompt from this file instead")
+    p.add_argument("-ngl", "--n-gpu-layers", dest="ngl", type=whole_number("a GPU layer count", -1, note="-1: all"),
+                   default=99, help="layers on the GPU, as llama.cpp's -ngl (none on a CPU build)")
+    p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep the experts of every layer on the CPU")
+    p.add_argument("-ncmoe", "--n-cpu-moe", type=whole_number("a count of MoE layers", 0), default=0,
+                   help="keep the experts of the first N layers on the CPU (at most the model's layers)")
+    p.add_argument("-lm", "--load-mode", choices=("mmap", "none"), default="mmap",
+                   help="how the weights are loaded: mapped from the file, or read")
+    p.add_argument("-nr", "--no-repack", action="store_true", help="no CPU repacking of the weights")
+    p.add_argument("-ub", "--ubatch", type=count("a ubatch size"), default=512,
+                   help="tokens per physical batch (llama.cpp's -ub)")
+    p.add_argument("-n", "--generate", type=whole_number(
+        "a token count", 0, note="llama.cpp's -1, until the end, is not offered: a run generates a fixed count, "
+                                 "so that two builds' text compares"),
+                   default=32, help="greedy tokens generated after the prompt")
+    p.add_argument("-mcm", "--moe-cache-mib", type=MIB, metavar="MIB",
                    help="the context's expert cache per GPU in MiB (patched builds; default: LLAMA_MOE_CACHE_MIB)")
     p.add_argument("--moe-cache-seed", choices=("on", "off"),
                    help="seed the expert cache at the prompt's end (patched builds; default: LLAMA_MOE_CACHE_SEED, on)")
-    p.add_argument("--moe-cache-profile", type=Path, metavar="FILE",
+    p.add_argument("--moe-cache-profile", type=output_file("profile"), metavar="FILE",
                    help="start the expert cache from this profile where it exists, add the run's expert use counts to it "
                         "at exit (patched builds; default: LLAMA_MOE_CACHE_PROFILE, none); `pyllama-moe profile show FILE`")
-    p.add_argument("--logits-out", type=Path, help="write the all-position logits (f32) as .npy")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--logits-out", type=output_file("logits file"), help="write the all-position logits (f32) as .npy")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help="identity matrix: baseline build against candidate build")
-    p.add_argument("--baseline", choices=("master", "patched"), default="master")
-    p.add_argument("--candidate", choices=("master", "patched"), default="patched")
-    p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX)
+    p.add_argument("--baseline", choices=("master", "patched"), default="master", help="the build compared against")
+    p.add_argument("--candidate", choices=("master", "patched"), default="patched", help="the build checked")
+    p.add_argument("--matrix", type=input_file("matrix file"), default=DEFAULT_MATRIX,
+                   help="the cells, models and knobs")
     p.add_argument("--subset", help="a [subsets.NAME] of the matrix file, or `full` (default: full)")
-    p.add_argument("--backend", help="only cells of these backends (comma-separated)")
-    p.add_argument("--limit", type=int, help="only the first N cells")
-    p.add_argument("--archive-dir", type=Path, help="build from llama.cpp-<variant>.tar.gz archives in this folder")
-    p.add_argument("--json", type=Path, help="also write the results as JSON to this file")
+    p.add_argument("--backend", type=choice_list("a backend", ("cpu", "cuda")),
+                   help="only cells of these backends (comma-separated; default: all)")
+    p.add_argument("--limit", type=count("a cell count"), help="only the first N cells (default: all)")
+    p.add_argument("--archive-dir", type=input_dir("archive folder"),
+                   help="build from llama.cpp-<variant>.tar.gz archives in this folder")
+    p.add_argument("--json", type=output_file("JSON file"), help="also write the results as JSON to this file")
     _add_common(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("bench", help="A/B llama-bench of two builds in paired rounds; ratio per test with a 95%% interval")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path)
-    src.add_argument("--synth", help="a model defined in the matrix file (made once, cached)")
-    p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX)
-    p.add_argument("--baseline", choices=("master", "patched"), default="master")
-    p.add_argument("--candidate", choices=("master", "patched"), default="patched")
-    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--rounds", type=int, default=4,
+    src.add_argument("--model", type=input_file("model"), help="the GGUF file (this or --synth is required)")
+    src.add_argument("--synth", help="a model defined in the matrix file (made once, cached; this or --model is "
+                                     "required, default: none)")
+    p.add_argument("--matrix", type=input_file("matrix file"), default=DEFAULT_MATRIX,
+                   help="where --synth models are defined")
+    p.add_argument("--baseline", choices=("master", "patched"), default="master", help="build A")
+    p.add_argument("--candidate", choices=("master", "patched"), default="patched", help="build B")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="the backend both builds are made for")
+    p.add_argument("--rounds", type=count("a round count"), default=4,
                    help="rounds of one llama-bench run per build (default 4; with --target-ci: the least number)")
-    p.add_argument("--reps", type=int, default=3, help="llama-bench -r per run (default 3)")
-    p.add_argument("--warmup-rounds", type=int, default=1,
+    p.add_argument("--reps", type=count("a repetition count"), default=3, help="llama-bench -r per run (default 3)")
+    p.add_argument("--warmup-rounds", type=whole_number("a round count", 0), default=1,
                    help="rounds run first and left out (default 1: on the GPU machine the first process of a run "
                         "after idle time is 3-10%% slow)")
-    p.add_argument("--discard", type=int, default=1,
+    p.add_argument("--discard", type=whole_number("a repetition count", 0), default=1,
                    help="first repetitions of every run dropped as warm-up (default 1)")
-    p.add_argument("--target-ci", type=float, metavar="F",
-                   help="go on until every test's 95%% interval is within +/-F (e.g. 0.03) or --max-seconds is spent")
-    p.add_argument("--max-seconds", type=float, metavar="S",
+    p.add_argument("--target-ci", type=real_number("a relative half-width", 0, 1, low_open=True, high_open=True),
+                   metavar="F",
+                   help="go on until every test's 95%% interval is within +/-F (e.g. 0.03) or --max-seconds is spent "
+                        "(default: none, --rounds rounds)")
+    p.add_argument("--max-seconds", type=seconds(), metavar="S",
                    help="time budget of the rounds (default with --target-ci: 900)")
     p.add_argument("--pin-threads", action="store_true",
                    help="llama-bench threads: one pinned to each usable CPU but one (-t N-1 -C MASK --cpu-strict 1)")
     p.add_argument("--paced", action="store_true",
                    help="both builds loaded at once per round, repetitions alternating (one test; tools/paced-bench "
                         "instead of llama-bench; needs memory for two copies of the model)")
-    p.add_argument("--paced-chunk", type=int, default=16, metavar="N",
+    p.add_argument("--paced-chunk", type=whole_number("a token count", 0), default=16, metavar="N",
                    help="with --paced, a generation test alternates the builds every N tokens of each repetition "
                         "(default 16; 0: whole repetitions alternate)")
     p.add_argument("--limit-row", metavar="FIELD=VALUE",
@@ -373,22 +460,28 @@ def register(sub) -> None:
                         "or the baseline's (e.g. the patched cache at -ncmoe 48 against master's static -ncmoe 24)")
     p.add_argument("--pcie-bound", action="store_true",
                    help="show prompt rows' share of the PCIe bound (host bytes per ubatch / pinned bandwidth, probed)")
-    p.add_argument("--baseline-env", action="append", metavar="NAME=VALUE", help="environment for the baseline only")
-    p.add_argument("--candidate-env", action="append", metavar="NAME=VALUE", help="environment for the candidate only")
-    p.add_argument("-mcm", "--moe-cache-mib", type=int, metavar="MIB",
-                   help="the candidate's expert cache per GPU in MiB (as --candidate-env LLAMA_MOE_CACHE_MIB=MIB)")
+    p.add_argument("--baseline-env", action="append", metavar="NAME=VALUE",
+                   help="environment for the baseline only (repeat)")
+    p.add_argument("--candidate-env", action="append", metavar="NAME=VALUE",
+                   help="environment for the candidate only (repeat)")
+    p.add_argument("-mcm", "--moe-cache-mib", type=MIB, metavar="MIB",
+                   help="the candidate's expert cache per GPU in MiB (as --candidate-env LLAMA_MOE_CACHE_MIB=MIB; "
+                        "default: the environment's LLAMA_MOE_CACHE_MIB, else none)")
     p.add_argument("--moe-cache-seed", choices=("on", "off"),
                    help="the candidate's seeding of its expert cache at a prompt's end (as --candidate-env "
-                        "LLAMA_MOE_CACHE_SEED=1|0)")
-    p.add_argument("--archive-dir", type=Path)
-    p.add_argument("--baseline-archive", type=Path, metavar="F",
+                        "LLAMA_MOE_CACHE_SEED=1|0; default: the environment's LLAMA_MOE_CACHE_SEED, else on)")
+    p.add_argument("--archive-dir", type=Path,
+                   help="build from llama.cpp-<variant>.tar.gz archives in this folder (default: none, from the source)")
+    p.add_argument("--baseline-archive", type=input_file("archive"), metavar="F",
                    help="build the baseline from this `source pack` archive instead of --archive-dir's (e.g. the series "
                         "before a change, packed at that commit)")
-    p.add_argument("--candidate-archive", type=Path, metavar="F", help="the same for the candidate")
-    p.add_argument("--json", type=Path, help="write every sample, interval and setting as JSON (rewritten each round)")
+    p.add_argument("--candidate-archive", type=input_file("archive"), metavar="F", help="the same for the candidate")
+    p.add_argument("--json", type=output_file("JSON file"),
+                   help="write every sample, interval and setting as JSON (rewritten each round)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then llama-bench arguments "
                    f"(default: {' '.join(DEFAULT_BENCH_ARGS)})")
-    _add_common(p)
+    _add_common(p, threads_help="llama-bench's -t, in place of the default arguments' (0: all cores; default: as the "
+                                "llama-bench arguments say)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="build CPU master + patched, run the identity subset and a short bench")

@@ -320,7 +320,11 @@ def samples_figure(path: Path, title: str = ""):
 
 
 def cmd_plot(args) -> int:
+    from pyllama_moe.cli_args import refuse_overwrite
+
     picture_format(args.output)  # before reading anything: a wrong -o is the cheapest mistake to report
+    inputs = {f"JSON file {i + 1}": path for i, path in enumerate(args.json)}
+    refuse_overwrite({"-o/--output": args.output}, {"--profile": args.profile, **inputs})
     if args.samples:
         if len(args.json) != 1:
             raise UserError("--samples draws one run", "pass one JSON file")
@@ -356,9 +360,12 @@ def cmd_plot(args) -> int:
 
 
 def register(sub) -> None:
+    from pyllama_moe.cli_args import input_file, output_file
+
     p = sub.add_parser("plot", help="a picture (.svg, .png, .pdf) of `pyllama-moe bench --json` results")
-    p.add_argument("json", nargs="*", type=Path, help="JSON files written by `pyllama-moe bench --json`")
-    p.add_argument("-o", "--output", type=Path, required=True,
+    p.add_argument("json", nargs="*", type=input_file("bench JSON"),
+                   help="JSON files written by `pyllama-moe bench --json`")
+    p.add_argument("-o", "--output", type=output_file("picture"), required=True,
                    help="the picture to write; its suffix picks the format: " + ", ".join(FORMATS))
     p.add_argument("--title", help="a line above the picture")
     what = p.add_mutually_exclusive_group()
@@ -370,7 +377,7 @@ def register(sub) -> None:
     what.add_argument("--hit-rates", action="store_true",
                       help="draw the expert cache's decode hit rate per layer of every row that has one, and the bytes "
                            "over PCIe per generated token where the rows say it")
-    what.add_argument("--profile", type=Path, metavar="FILE",
+    what.add_argument("--profile", type=input_file("profile"), metavar="FILE",
                       help="draw an expert cache profile (--moe-cache-profile FILE) as a heat map, layers x experts")
     p.add_argument("--sweep-y", choices=("ratio", "share", "ts"), default="ratio",
                    help="with --sweep: the ratio with its interval (default), the share of the --limit-row "

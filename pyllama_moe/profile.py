@@ -143,9 +143,11 @@ def cmd_profile(args) -> int:
 
 
 def register(sub) -> None:
+    from pyllama_moe.cli_args import count, input_file
+
     p = sub.add_parser("profile", help="an expert cache profile (--moe-cache-profile FILE): per layer the routings and top experts")
-    p.add_argument("action", choices=("show",))
-    p.add_argument("file", type=Path)
-    p.add_argument("--top", type=int, default=8, help="experts listed per layer (default 8)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("action", choices=("show",), help="show: print the profile")
+    p.add_argument("file", type=input_file("profile"), help="the profile file")
+    p.add_argument("--top", type=count("an expert count"), default=8, help="experts listed per layer (default 8)")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_profile)

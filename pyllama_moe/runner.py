@@ -83,6 +83,7 @@ class RunResult:
     lookup_callback: dict | None = None  # what the lookup callback saw: "lookups", "stopped_at_step"
     contexts: list[dict] | None = None  # with RunSpec.contexts > 1: per context "generated", "decode_logits_sha256", "stats"
     decode_retries: list[int] | None = None  # with RunSpec.retry_failed_decode: the positions decoded again
+    moe_alerts: list[str] = field(default_factory=list)  # the patched build's `llama_moe:` warning and error lines
 
 
 def check_model(path: Path) -> Path:
@@ -134,4 +135,4 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None
     return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), log,
                      reply.get("stats"), reply.get("decode_logits_sha256"), reply.get("lookup_callback"),
-                     reply.get("contexts"), reply.get("decode_retries"))
+                     reply.get("contexts"), reply.get("decode_retries"), reply.get("llama_moe_alerts", []))

@@ -91,11 +91,11 @@ def check_config(c: SoakConfig) -> None:
         raise UserError(what, fix)
 
     if not c.server.is_file() or not os.access(c.server, os.X_OK):
-        bad(f"llama-server {c.server} is not an executable file", "give the patched build's bin/llama-server")
+        bad(f"--server {c.server} is not an executable file", "give the patched build's bin/llama-server")
     if not c.model.is_file():
-        bad(f"model {c.model} does not exist", "give a GGUF model file")
+        bad(f"--model {c.model} does not exist", "give a GGUF model file")
     if c.lora is not None and not c.lora.is_file():
-        bad(f"LoRA adapter {c.lora} does not exist", "give a GGUF adapter file, or leave --lora out to make one")
+        bad(f"--lora {c.lora} does not exist", "give a GGUF adapter file, or leave --lora out to make one")
     for name, value, low in (("slots", c.slots, 1), ("clients", c.clients, 1), ("max-requests", c.max_requests, 1),
                              ("max-prompt", c.max_prompt, 1), ("max-predict", c.max_predict, 1),
                              ("threads", c.threads, 1)):
@@ -766,31 +766,34 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt
 
 
-def _one_line_error(message: str):
-    sys.stderr.write(f"pyllama-moe server-soak: error: {message}\n")
-    raise SystemExit(2)
-
-
 def register(sub) -> None:
+    from pyllama_moe.cli_args import SEED, count, input_file, output_dir, real_number, seconds, whole_number
+
     p = sub.add_parser("server-soak", help="llama-server with the expert cache under concurrent load: probes must not "
                                            "drift, errors 0, memory flat",
                        description=__doc__.split("\n\n")[0])
-    p.error = _one_line_error  # bad input: one line and exit 2, as for the other errors
     p.add_argument("--server", type=Path, required=True, help="llama-server of the patched build, or its bin folder")
-    p.add_argument("--model", type=Path, required=True, help="a MoE GGUF (e.g. from `pyllama-moe synth`)")
-    p.add_argument("--out", type=Path, required=True, help="folder for summary.json, soak.log and the server logs")
-    p.add_argument("--lora", type=Path, help="LoRA adapter GGUF (default: a synthetic one written to OUT/lora.gguf)")
-    p.add_argument("--slots", type=int, default=4, help="server slots, -np (default 4)")
-    p.add_argument("--clients", type=int, default=6, help="client threads (default 6)")
-    p.add_argument("--seconds", type=float, default=180, help="soak time, pauses included (default 180)")
-    p.add_argument("--max-requests", type=int, default=2000, help="at most this many requests (default 2000)")
-    p.add_argument("--pause-every", type=float, default=30, help="seconds between probe pauses (default 30)")
-    p.add_argument("--max-prompt", type=int, default=4000, help="longest random prompt in tokens (default 4000)")
-    p.add_argument("--max-predict", type=int, default=32, help="most tokens generated per request (default 32)")
-    p.add_argument("--ctx-per-slot", type=int, default=4096, help="context per slot (default 4096)")
-    p.add_argument("--cache-mib", type=int, help="expert cache MiB (default: a quarter of the model's expert bytes)")
-    p.add_argument("--threads", type=int, default=4, help="server CPU threads, -t (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the clients' requests (default 0)")
+    p.add_argument("--model", type=input_file("model"), required=True,
+                   help="a MoE GGUF (e.g. from `pyllama-moe synth`)")
+    p.add_argument("--out", type=output_dir("output folder"), required=True,
+                   help="folder for summary.json, soak.log and the server logs (made when missing)")
+    p.add_argument("--lora", type=input_file("LoRA adapter"),
+                   help="LoRA adapter GGUF (default: a synthetic one written to OUT/lora.gguf)")
+    p.add_argument("--slots", type=count("a slot count"), default=4, help="server slots, -np (default 4)")
+    p.add_argument("--clients", type=count("a client count"), default=6, help="client threads (default 6)")
+    p.add_argument("--seconds", type=seconds(), default=180, help="soak time, pauses included (default 180)")
+    p.add_argument("--max-requests", type=count("a request count"), default=2000,
+                   help="at most this many requests (default 2000)")
+    p.add_argument("--pause-every", type=seconds(), default=30, help="seconds between probe pauses (default 30)")
+    p.add_argument("--max-prompt", type=count("a token count"), default=4000,
+                   help="longest random prompt in tokens (default 4000)")
+    p.add_argument("--max-predict", type=count("a token count"), default=32,
+                   help="most tokens generated per request (default 32)")
+    p.add_argument("--ctx-per-slot", type=count("a token count"), default=4096, help="context per slot (default 4096)")
+    p.add_argument("--cache-mib", type=whole_number("a MiB count", 1, note="the soak is of the cache: it stays on"),
+                   help="expert cache MiB (default: a quarter of the model's expert bytes)")
+    p.add_argument("--threads", type=count("a thread count"), default=4, help="server CPU threads, -t (default 4)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the clients' requests (default 0)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment for the server (repeat); GGML_SIM_*, LLAMA_MOE_* and LLAMA_ARG_* are not inherited")
     p.add_argument("--wrapper", help="command the server runs under, e.g. 'compute-sanitizer --tool memcheck "
@@ -799,14 +802,15 @@ def register(sub) -> None:
     p.add_argument("--compare-all-gpu", action="store_true",
                    help="also send the probes to a server with every weight on the GPU (docs/cache-paths.md decides "
                         "which must be equal)")
-    p.add_argument("--rss-growth-mib", type=float, default=64, help="anonymous RSS growth allowed after the first "
-                                                                    "pause, at least (default 64)")
-    p.add_argument("--rss-growth-pct", type=float, default=10,
+    p.add_argument("--rss-growth-mib", type=real_number("a MiB count", 0), default=64,
+                   help="anonymous RSS growth allowed after the first pause, at least (default 64)")
+    p.add_argument("--rss-growth-pct", type=real_number("a percentage", 0), default=10,
                    help="... or this percentage of the value at the first pause, if larger (default 10)")
-    p.add_argument("--vram-growth-mib", type=float, default=64, help="VRAM growth allowed after the first pause "
-                                                                     "(default 64)")
-    p.add_argument("--startup-timeout", type=float, default=300, help="seconds for the server to come up (default 300)")
-    p.add_argument("--request-timeout", type=float, default=600, help="seconds per request (default 600)")
+    p.add_argument("--vram-growth-mib", type=real_number("a MiB count", 0), default=64,
+                   help="VRAM growth allowed after the first pause (default 64)")
+    p.add_argument("--startup-timeout", type=seconds(), default=300,
+                   help="seconds for the server to come up (default 300)")
+    p.add_argument("--request-timeout", type=seconds(), default=600, help="seconds per request (default 600)")
     p.add_argument("--plant-probe-change", action="store_true",
                    help="negative control: later probe rounds run at another adapter scale, so they must differ")
     p.set_defaults(func=cmd_server_soak)

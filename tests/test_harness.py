@@ -129,11 +129,11 @@ def test_bench_and_run_take_the_cache_budget_and_show_its_hit_rate(master_build,
     (test,) = json.loads(out.read_text())["tests"]
     assert list(test["hit_rate"]) == ["candidate"] and sorted(test["hit_rate"]["candidate"]["layers"]) == ["0", "1", "2", "3"]
     assert json.loads(out.read_text())["meta"]["env"]["candidate"]["LLAMA_MOE_CACHE_MIB"] == "2"
-    assert "needs the patched build" in _cli("run", "--variant", "master", "--moe-cache-mib", "2", "x.gguf").stderr
     from pyllama_moe import models
     from pyllama_moe.matrix import load_matrix
 
     model = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+    assert "needs the patched build" in _cli("run", "--variant", "master", "--moe-cache-mib", "2", str(model)).stderr
     run = _cli("run", "--variant", "patched", "--no-build", "-cmoe", "-mcm", "2", "-n", "16", str(model),
                env_extra={"GGML_SIM_DEVICES": "1"})
     assert run.returncode == 0, run.stderr[-3000:]

@@ -149,6 +149,24 @@ def test_a_profile_of_another_model_is_refused_and_changes_nothing(patched_build
     assert sorted(f.name for f in tmp_path.iterdir()) == ["p.gguf"]
 
 
+def test_run_shows_the_builds_refusal_and_goes_on(patched_build, model, other_model, written, tmp_path, monkeypatch,
+                                                  capsys):
+    """`pyllama-moe run`: a profile that only the build can tell is another model's (same shape, other routers) is
+    refused by the build, and the run goes on with the build's error line on stderr (docs/cli.md, Errors)."""
+    from pyllama_moe.cli import main
+
+    path, _ = written
+    copy = tmp_path / "p.gguf"
+    copy.write_bytes(path.read_bytes())
+    monkeypatch.setenv("GGML_SIM_DEVICES", "1")
+    assert main(["run", str(other_model), "--no-build", "-cmoe", "-mcm", str(CACHE_MIB), "-n", "4",
+                 "--moe-cache-profile", str(copy)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if "refused" in line] == [line for line in err if line.startswith("llama_moe:")]
+    assert len(err) == 1 and str(copy) in err[0] and "was made for another model" in err[0]
+    assert copy.read_bytes() == path.read_bytes()
+
+
 def _other_version(path, version):
     import gguf
 

@@ -17,6 +17,8 @@ MODES = ("logits", "routes", "roundtrip")
 USAGE = "usage: python -m pyllama_moe.worker REQUEST.json REPLY.json (start it through pyllama_moe.worker.spawn)"
 
 _log_callback = None  # llama.cpp keeps only the C pointer: the Python object must outlive every log line
+_ALERT_LEVELS = (3, 4)  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+_moe_alerts: list[str] = []  # the patched build's own warnings and errors, in the reply for the parent to show
 
 
 def main(argv: list[str]) -> int:
@@ -30,6 +32,8 @@ def main(argv: list[str]) -> int:
         if not isinstance(exc, RuntimeError):  # a RuntimeError is a failure named here; anything else is a bug
             traceback.print_exc()
         reply = {"error": f"{type(exc).__name__}: {exc}"}
+    if _moe_alerts:
+        reply["llama_moe_alerts"] = list(_moe_alerts)
     Path(reply_path).write_text(json.dumps(reply))
     return 1 if "error" in reply else 0
 
@@ -97,12 +101,21 @@ def _capture_log(llama_cpp) -> None:
     global _log_callback
 
     @llama_cpp.llama_log_callback
-    def write(_level, text, _user_data):
-        sys.stderr.write(text.decode("utf-8", "replace"))
+    def write(level, text, _user_data):
+        line = text.decode("utf-8", "replace")
+        sys.stderr.write(line)
         sys.stderr.flush()
+        if is_moe_alert(level, line):
+            _moe_alerts.append(line.rstrip("\n"))
 
     _log_callback = write
     llama_cpp.llama_log_set(write, ctypes.c_void_p(0))
+
+
+def is_moe_alert(level: int, line: str) -> bool:
+    """A warning or error of the patched build (`llama_moe: ...`): the user must see it even when the run goes on
+    (a refused expert cache profile, a cache that did not fit), where the rest of the log stays in the reply."""
+    return level in _ALERT_LEVELS and line.startswith("llama_moe:")
 
 
 def _mode_runner(mode: str):
