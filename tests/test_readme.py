@@ -5,10 +5,12 @@ commands on a fresh machine are what .ci/run runs and the demo's own test."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -53,9 +55,11 @@ def pyllama_moe_argv(line: str) -> list[str] | None:
     return shlex.split(line)[1:] if line.startswith("pyllama-moe ") else None
 
 
-def test_the_quick_starts_pyllama_moe_lines_parse():
+def test_the_quick_starts_pyllama_moe_lines_parse(tiny_model, tmp_path, monkeypatch):
     argvs = [argv for argv in map(pyllama_moe_argv, readme_lines(QUICK_START)) if argv is not None]
     assert len(argvs) >= 3
+    monkeypatch.chdir(tmp_path)  # the quick start's folder: its model.gguf (checked when parsed) is the tiny one
+    (tmp_path / "model.gguf").symlink_to(tiny_model)
     parser = build_parser()
     for argv in argvs:
         args = parser.parse_args(argv)  # a flag that is not there exits 2 here
@@ -114,3 +118,18 @@ def test_the_quick_starts_llama_cpp_lines_run_on_the_cpu_build(patched_build, ti
         server.terminate()
         _, err = server.communicate(timeout=60)
     assert NOT_MADE.search(err), err[-2000:]
+
+
+@pytest.mark.build
+def test_the_python_block_runs_on_the_cpu_build_and_says_the_cache_needs_a_gpu(patched_build, tiny_model):
+    code = "\n".join(readme_lines("From Python", "python"))
+    assert 'use_build("patched", "cuda")' in code and '"model.gguf"' in code
+    code = code.replace('use_build("patched", "cuda")', 'use_build("patched", "cpu")')
+    code = code.replace('"model.gguf"', repr(str(tiny_model)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_CPP_LIB"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=PROJECT_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text, hit_rate = proc.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text.strip() and hit_rate == "None"
+    assert "the expert cache needs a GPU" in proc.stderr
