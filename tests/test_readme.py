@@ -91,8 +91,6 @@ def test_the_quick_starts_llama_cpp_lines_run_on_the_cpu_build(patched_build, ti
         proc = subprocess.run(as_here(line, bin_dir, tiny_model, port) + ["-t", "2"], capture_output=True,
                               text=True, timeout=600, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
-        if "llama-cli" in line:  # a CPU build has no cache, and says so without -v
-            assert NOT_MADE.search(proc.stderr), proc.stderr[-2000:]
         if "llama-bench" in line:  # both cache sizes became rows, each with its own column value
             rows = [r for r in proc.stdout.splitlines() if r.startswith("|") and ("pp512" in r or "tg128" in r)]
             assert len(rows) == 4, proc.stdout
