@@ -15,8 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
+from pyllama_moe.cli import synth as cli
 from pyllama_moe.errors import UserError
-from pyllama_moe.synth import cli
 from pyllama_moe.synth.corpus import corpus_from_model, generate_corpus, vocab_words
 from pyllama_moe.synth.gguf_read import read_gguf
 from pyllama_moe.synth.lora import write_lora

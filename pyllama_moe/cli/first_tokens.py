@@ -1,5 +1,5 @@
 """The verb `first-tokens`: decode rates of the first tokens after a prompt against the steady rate, per setting
-(pyllama_moe.first_tokens)."""
+(pyllama_moe.bench.first_tokens)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pyllama_moe.errors import UserError
 
 
 def cmd_first_tokens(args) -> int:
-    from pyllama_moe import bench, first_tokens
-    from pyllama_moe.bench_paced import parse_spec
-    from pyllama_moe.build import resolve
+    from pyllama_moe.bench import first_tokens, rounds as bench
+    from pyllama_moe.bench.paced_rounds import parse_spec
+    from pyllama_moe.build.builder import resolve
 
     bench_args = list(args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args)
     if args.pin_threads:
@@ -34,7 +34,7 @@ def cmd_first_tokens(args) -> int:
 
 
 def register(sub) -> None:
-    from pyllama_moe.cli_args import add_build_args
+    from pyllama_moe.cli.args import add_build_args
 
     p = sub.add_parser("first-tokens", help="decode rate of the first tokens after a prompt against the steady rate, "
                                             "per setting (tools/paced-bench)")

@@ -1,4 +1,4 @@
-"""Argument groups that several verbs share (kept apart from cli.py, which imports every verb module)."""
+"""Argument groups that several verbs share (kept apart from main.py, which imports every verb module)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_build_args(p: argparse.ArgumentParser, variant_default: str | None = "patched") -> None:
-    from pyllama_moe.build import BACKENDS
-    from pyllama_moe.trees import VARIANTS
+    from pyllama_moe.build.builder import BACKENDS
+    from pyllama_moe.source.trees import VARIANTS
 
     p.add_argument("--variant", choices=VARIANTS, default=variant_default, required=variant_default is None)
     p.add_argument("--backend", choices=BACKENDS, default="cpu")

@@ -116,8 +116,8 @@ def cmd_routes(args: argparse.Namespace) -> int:
               "llama.cpp (about a minute on a small CPU box)...", file=sys.stderr, flush=True)
     lib, pkg = args.lib, args.llama_cpp_pkg
     if lib is None or pkg is None:
-        from pyllama_moe import source
-        from pyllama_moe.build import resolve
+        from pyllama_moe.build.builder import resolve
+        from pyllama_moe.source import sdist as source
 
         src = source.ensure_source()
         lib = lib or resolve("master", "cpu").bin_dir

@@ -22,7 +22,7 @@ def _threads(args) -> int:
 
 def _source(args):
     """The source the runner takes the llama_cpp package from: an archive's when building from archives."""
-    from pyllama_moe import packs, source
+    from pyllama_moe.source import packs, sdist as source
 
     if getattr(args, "archive_dir", None):
         return packs.archive_source(args.archive_dir / "llama.cpp-master.tar.gz", "master")
@@ -44,8 +44,8 @@ def _profile_env(path: Path | None) -> dict[str, str]:
 
 
 def cmd_run(args) -> int:
-    from pyllama_moe import runner
-    from pyllama_moe.build import resolve
+    from pyllama_moe.build.builder import resolve
+    from pyllama_moe.harness import runner
 
     src = _source(args)
     built = resolve(args.variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, archive=args.archive,
@@ -71,7 +71,7 @@ def cmd_run(args) -> int:
              "logits_sha256": result.logits_sha256, "generated": result.generated, "text": result.text}
     cache_line = ""
     if result.stats:
-        from pyllama_moe.ffi import decode_hit_rate
+        from pyllama_moe.build.ffi import decode_hit_rate
 
         decode = result.stats["generate"]["cache_decode"]
         reply["cache_decode"] = decode
@@ -83,7 +83,7 @@ def cmd_run(args) -> int:
 
 
 def _select_cells(args):
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness.matrix import load_matrix
 
     matrix = load_matrix(args.matrix)
     matrix.defaults = {**matrix.defaults, "baseline": args.baseline, "candidate": args.candidate}
@@ -98,7 +98,7 @@ def _select_cells(args):
 
 
 def run_compare(args) -> tuple[int, list, dict]:
-    from pyllama_moe import compare
+    from pyllama_moe.harness import compare
 
     matrix, cells = _select_cells(args)
     src = _source(args)
@@ -129,8 +129,8 @@ def _env_pairs(values: list[str] | None, flag: str) -> dict:
 
 
 def run_bench(args, model: Path) -> str:
-    from pyllama_moe import bench, bench_hits, bench_limits
-    from pyllama_moe.build import resolve
+    from pyllama_moe.bench import hits as bench_hits, limits as bench_limits, rounds as bench
+    from pyllama_moe.build.builder import resolve
 
     def build(variant: str, archive: Path | None):  # only the tools bench runs, so a bench-only build dir is enough
         # an archive named for one side may hold another patch series than this checkout's (before/after a change)
@@ -201,7 +201,7 @@ def run_bench(args, model: Path) -> str:
 
     runner = None
     if args.paced:
-        from pyllama_moe import bench_paced
+        from pyllama_moe.bench import paced_rounds as bench_paced
 
         runner = bench_paced.paced_rounds(builds, plan, args.paced_chunk)
     result = bench.ab_bench(builds, plan, on_round=save, runner=runner)
@@ -230,8 +230,8 @@ def run_bench(args, model: Path) -> str:
 
 
 def cmd_bench(args) -> int:
-    from pyllama_moe import models
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness import models
+    from pyllama_moe.harness.matrix import load_matrix
 
     if args.bench_args and args.bench_args[0] == "--":
         args.bench_args = args.bench_args[1:]
@@ -258,8 +258,8 @@ DEMO_LEGEND = ("rows: pp512 = a 512-token prompt, tg32 = 32 generated tokens; ub
 
 def cmd_demo(args) -> int:
     """Build CPU master + patched, make a small synthetic MoE, run the identity subset and a short bench."""
-    from pyllama_moe import models
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness import models
+    from pyllama_moe.harness.matrix import load_matrix
 
     args.matrix, args.subset = DEFAULT_MATRIX, "demo"
     args.baseline, args.candidate = "master", "patched"
@@ -291,7 +291,7 @@ def cmd_demo(args) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser, variant: bool = False) -> None:
-    from pyllama_moe.cli_args import add_build_args, add_source_args
+    from pyllama_moe.cli.args import add_build_args, add_source_args
 
     if variant:
         add_build_args(p)

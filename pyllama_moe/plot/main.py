@@ -6,9 +6,9 @@ line at 1.0; a point whose interval excludes 1.0 is filled, one whose interval i
 interval) is hollow. Files of schema 1 (before intervals) still plot, without error bars.
 
 `--samples` draws every sample of one run; `--sweep FIELD` one number per test against a setting
-(`pyllama_moe.plot_sweep`); `--hit-rates` the expert cache's hit rate per layer and, where the rows say it, the bytes
-over PCIe per generated token (`pyllama_moe.plot_hits`); `--profile FILE` an expert cache profile as a heat map
-(`pyllama_moe.profile`). The output format follows the suffix of -o (.svg, .png, .pdf).
+(`pyllama_moe.plot.sweep`); `--hit-rates` the expert cache's hit rate per layer and, where the rows say it, the bytes
+over PCIe per generated token (`pyllama_moe.plot.hits`); `--profile FILE` an expert cache profile as a heat map
+(`pyllama_moe.plot.profile`). The output format follows the suffix of -o (.svg, .png, .pdf).
 """
 
 from __future__ import annotations
@@ -328,13 +328,13 @@ def cmd_plot(args) -> int:
         print(f"wrote {args.output} (samples of {args.json[0]})")
         return 0
     if args.sweep:
-        from pyllama_moe.plot_sweep import sweep_figure
+        from pyllama_moe.plot.sweep import sweep_figure
 
         write_figure(sweep_figure(args.json, args.sweep, args.sweep_y, args.title or ""), args.output)
         print(f"wrote {args.output} ({args.sweep_y} against {args.sweep})")
         return 0
     if args.profile:
-        from pyllama_moe.profile import heat_figure, read
+        from pyllama_moe.plot.profile import heat_figure, read
 
         if args.json:
             raise UserError("--profile draws one profile, not bench files", "drop the JSON files or --profile")
@@ -344,7 +344,7 @@ def cmd_plot(args) -> int:
     if not args.json:
         raise UserError("no JSON file to plot", "pass the files that `pyllama-moe bench --json` wrote, or --profile FILE")
     if args.hit_rates:
-        from pyllama_moe.plot_hits import hit_rates_figure
+        from pyllama_moe.plot.hits import hit_rates_figure
 
         write_figure(hit_rates_figure(args.json, args.title or ""), args.output)
         print(f"wrote {args.output} (hit rate per layer)")
