@@ -21,7 +21,7 @@ import statistics
 
 from pyllama_moe.bench.hits import parse_layer_rates
 from pyllama_moe.errors import UserError
-from pyllama_moe.plot.main import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
+from pyllama_moe.plot.bench_files import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
 
 
 def _llama_bench_hits(path: Path) -> list[tuple[str, list[tuple[int, float]], float, float | None]] | None:
