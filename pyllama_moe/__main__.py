@@ -1,3 +1,3 @@
-from pyllama_moe.cli import main
+from pyllama_moe.cli.main import main
 
 raise SystemExit(main())

@@ -21,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-from pyllama_moe import ffi
+from pyllama_moe.build import ffi
 from pyllama_moe.errors import UserError
 
 _in_use: ffi.MoeLib | None = None  # the build use_build pointed llama_cpp at
@@ -34,8 +34,8 @@ def use_build(variant: str = "patched", backend: str = "cpu", *, archive: Path |
     """Make `import llama_cpp` load this build's libllama (LLAMA_CPP_LIB_PATH), with the pinned sdist's llama_cpp
     package where none is installed; returns the build's llama-moe.h functions. Call it before llama_cpp is imported:
     a library already loaded cannot be swapped."""
-    from pyllama_moe import packs, source
-    from pyllama_moe.build import resolve
+    from pyllama_moe.build.builder import resolve
+    from pyllama_moe.source import packs, sdist as source
 
     build = resolve(variant, backend, archive=archive, make=False)
     loaded = sys.modules.get("llama_cpp")
@@ -83,7 +83,7 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
     default, LLAMA_MOE_CACHE_MIB), seeded at a prompt's end unless moe_cache_seed is False (None: the process
     default, LLAMA_MOE_CACHE_SEED, on), started from the expert cache profile moe_cache_profile where that file exists
     and counted into it when the context is freed (None: the process default, LLAMA_MOE_CACHE_PROFILE, none; see
-    `pyllama_moe.profile`). Other keywords go to `Llama`. Needs `use_build` first."""
+    `pyllama_moe.plot.profile`). Other keywords go to `Llama`. Needs `use_build` first."""
     from llama_cpp import Llama
 
     from pyllama_moe.worker.model import cpu_overrides

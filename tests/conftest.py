@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama_moe import models, source
-from pyllama_moe.build import resolve
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.build.builder import resolve
+from pyllama_moe.harness import models
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
+from pyllama_moe.source import sdist as source
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@ import tarfile
 
 import pytest
 
-from pyllama_moe import packs
 from pyllama_moe.errors import UserError
+from pyllama_moe.source import packs
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,8 @@ def test_a_patched_archive_of_another_series_is_built_only_when_asked(master_arc
 def test_without_the_sdist_an_unpacked_archive_stands_in_for_it(master_archive, tmp_path, monkeypatch):
     # a machine with no package registry: once `build --archive` unpacked this pin's tree, `run`, `info` and
     # use_build find the build by the same key instead of trying to download the sdist
-    from pyllama_moe import build as build_mod, source
+    from pyllama_moe.build import builder as build_mod
+    from pyllama_moe.source import sdist as source
 
     monkeypatch.setenv("PYLLAMA_MOE_HOME", str(tmp_path / "home"))
     archive, _ = master_archive

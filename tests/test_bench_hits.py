@@ -1,4 +1,4 @@
-"""Hit rates beside bench rows (bench_hits.py), from llama-bench-shaped entries: the kept repetitions' rates per side
+"""Hit rates beside bench rows (pyllama_moe/bench/hits.py), from llama-bench-shaped entries: the kept repetitions' rates per side
 and per layer, each process's first (cold) one apart, warm-up rounds in neither, and rows without a cache left out."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pyllama_moe import bench, bench_hits
+from pyllama_moe.bench import hits as bench_hits, rounds as bench
 
 NAMES = {"baseline": "master", "candidate": "patched"}
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pyllama_moe import bench_paced, paced
-from pyllama_moe.bench import BenchPlan
-from pyllama_moe.bench_paced import parse_spec, spec_fields
+from pyllama_moe.bench import paced_process as paced, paced_rounds as bench_paced
+from pyllama_moe.bench.paced_rounds import parse_spec, spec_fields
+from pyllama_moe.bench.rounds import BenchPlan
 from pyllama_moe.errors import UserError
 
 

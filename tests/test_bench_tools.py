@@ -12,8 +12,8 @@ import subprocess
 import pytest
 from gguf import GGUFReader
 
-from pyllama_moe import bench_limits
-from pyllama_moe.bench_hits import parse_layer_rates
+from pyllama_moe.bench import limits as bench_limits
+from pyllama_moe.bench.hits import parse_layer_rates
 
 pytestmark = pytest.mark.build
 
@@ -121,8 +121,8 @@ def test_llama_bench_reports_the_cache_hit_rate_per_layer_and_repetition(patched
 
 def test_each_side_builds_from_the_archive_it_names(monkeypatch, tmp_path):
     # the series before a change against the one after: both "patched", each from its own `source pack` archive
-    from pyllama_moe import build as build_mod
-    from pyllama_moe.cli import main
+    from pyllama_moe.build import builder as build_mod
+    from pyllama_moe.cli.main import main
 
     before, after = tmp_path / "before.tar.gz", tmp_path / "after.tar.gz"
     before.write_bytes(b"x")

@@ -4,14 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_moe import ffi, models, runner
-from pyllama_moe.build import Build, BuildSpec, build, build_key, find_build, read_stamp, STAMP_NAME
-from pyllama_moe.buildinfo import embedded_mismatch, parse_build_info
+from pyllama_moe.build import ffi
+from pyllama_moe.build.builder import Build, BuildSpec, build, build_key, find_build, read_stamp, STAMP_NAME
+from pyllama_moe.build.info import embedded_mismatch, parse_build_info
 from pyllama_moe.errors import UserError
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 from pyllama_moe.progress import Progress
-from pyllama_moe.trees import Tree
+from pyllama_moe.source.trees import Tree
 
 
 def test_master_key_ignores_patch_inputs_and_patched_key_follows_them(tmp_path):
@@ -29,8 +30,8 @@ def test_master_key_ignores_patch_inputs_and_patched_key_follows_them(tmp_path):
 def test_cuda_backend_without_nvcc_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CUDACXX", raising=False)
-    monkeypatch.setattr("pyllama_moe.build.tool_path", lambda name: "/usr/bin/cmake")
-    monkeypatch.setattr("pyllama_moe.build._first_line", lambda cmd: "some compiler 1.0")
+    monkeypatch.setattr("pyllama_moe.build.builder.tool_path", lambda name: "/usr/bin/cmake")
+    monkeypatch.setattr("pyllama_moe.build.builder._first_line", lambda cmd: "some compiler 1.0")
     with pytest.raises(UserError, match="--backend cuda needs nvcc"):
         build_key(BuildSpec(Tree("master", tmp_path, "pin:x", ""), backend="cuda", cuda_arch="90-real"))
 
@@ -179,7 +180,7 @@ def test_every_verb_prints_its_help():
     """argparse formats help strings with %: a bare '95%' in one verb's help broke `pyllama-moe --help`."""
     import argparse
 
-    from pyllama_moe.cli import build_parser
+    from pyllama_moe.cli.main import build_parser
 
     parser = build_parser()
     parser.format_help()

@@ -187,7 +187,7 @@ def test_no_refused_run_wrote_or_changed_a_file(refusals):
 
 
 def test_keyboard_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
-    from pyllama_moe import cli, cli_harness
+    from pyllama_moe.cli import harness as cli_harness, main as cli
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -198,7 +198,7 @@ def test_keyboard_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
 
 
 def test_a_path_error_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
-    from pyllama_moe import cli, cli_harness
+    from pyllama_moe.cli import harness as cli_harness, main as cli
 
     def gone(args):
         raise FileNotFoundError(2, "No such file or directory", "/gone/model.gguf")
@@ -220,7 +220,9 @@ def test_run_shows_the_patched_builds_warnings_and_errors(files, monkeypatch, ca
     reply, runner.RunResult.moe_alerts) above the result."""
     import numpy as np
 
-    from pyllama_moe import build, cli, cli_harness, runner
+    from pyllama_moe.build import builder as build
+    from pyllama_moe.cli import harness as cli_harness, main as cli
+    from pyllama_moe.harness import runner
 
     refused = "llama_moe: expert cache profile /p.gguf refused: it was made for another model; ..."
     result = runner.RunResult(np.zeros((2, 4), np.float32), "ab" * 32, [1], "x", "log", moe_alerts=[refused])
@@ -242,7 +244,7 @@ def test_the_worker_keeps_only_the_patched_builds_warnings_and_errors():
 
 
 def _verb_parsers() -> dict[str, argparse.ArgumentParser]:
-    from pyllama_moe.cli import build_parser
+    from pyllama_moe.cli.main import build_parser
 
     subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return dict(subs.choices)
@@ -264,8 +266,8 @@ def test_help_lists_a_default_for_every_option(verb):
 
 
 def test_help_shows_run_s_defaults_and_version_names_the_pin_and_series(tmp_path):
-    from pyllama_moe import patches
-    from pyllama_moe.pin import load_pin
+    from pyllama_moe.source import patches
+    from pyllama_moe.source.pin import load_pin
 
     helped = _pyllama_moe(["run", "--help"], tmp_path / "home")
     assert helped.returncode == 0 and "(default: 512)" in " ".join(helped.stdout.split())

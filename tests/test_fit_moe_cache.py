@@ -176,8 +176,8 @@ def test_fitted_runs_compute_what_master_computes(patched_build, master_build, s
     llama-perplexity with --fit writes the same log-probs (prompt ubatches read residents from the banks); the decode
     path under the plan's placement and cap (what --fit sets: --cpu-moe and the cap of the log line), through the
     worker, gives the same logits at every step. The tools' generated text is not compared: their logger is
-    asynchronous and may drop its last lines under load (compare.py)."""
-    from pyllama_moe import runner
+    asynchronous and may drop its last lines under load (harness/compare.py)."""
+    from pyllama_moe.harness import runner
 
     common = ["-m", str(model), "-f", str(corpus), "-c", "256", "-b", "256", "-ub", "256", "--chunks", "3", "-t", "2",
               "--no-warmup"]
@@ -205,8 +205,8 @@ def test_fitted_runs_compute_what_master_computes(patched_build, master_build, s
 def test_a_second_context_keeps_the_cache_margin_under_a_cap(patched_build, src):
     """The room --fit plans is for one cache: the first cache on the device takes its cap with no margin of its own,
     a second context's cache keeps the cache's 512 MiB margin too (before: it took the cap again, down to 0 free)."""
-    from pyllama_moe import models, runner
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness import models, runner
+    from pyllama_moe.harness.matrix import load_matrix
     from pyllama_moe.paths import CI_DIR
 
     tiny = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pyllama_moe import runner
 from pyllama_moe.errors import UserError
+from pyllama_moe.harness import runner
 from pyllama_moe.paths import CI_DIR, PROJECT_ROOT
 
 
@@ -90,8 +90,8 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
 def test_runner_refuses_missing_and_truncated_models(patched_build, src, tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         runner.run(patched_build, src, runner.RunSpec(model=tmp_path / "nope.gguf", prompt="x"))
-    from pyllama_moe import models
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness import models
+    from pyllama_moe.harness.matrix import load_matrix
     from pyllama_moe.paths import CI_DIR
 
     good = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
@@ -129,8 +129,8 @@ def test_bench_and_run_take_the_cache_budget_and_show_its_hit_rate(master_build,
     (test,) = json.loads(out.read_text())["tests"]
     assert list(test["hit_rate"]) == ["candidate"] and sorted(test["hit_rate"]["candidate"]["layers"]) == ["0", "1", "2", "3"]
     assert json.loads(out.read_text())["meta"]["env"]["candidate"]["LLAMA_MOE_CACHE_MIB"] == "2"
-    from pyllama_moe import models
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness import models
+    from pyllama_moe.harness.matrix import load_matrix
 
     model = models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
     assert "needs the patched build" in _cli("run", "--variant", "master", "--moe-cache-mib", "2", str(model)).stderr
@@ -141,7 +141,7 @@ def test_bench_and_run_take_the_cache_budget_and_show_its_hit_rate(master_build,
 
 
 def test_the_pinned_check_tells_a_whole_pin_from_a_partial_one():
-    from pyllama_moe.compare import pin_check
+    from pyllama_moe.harness.compare import pin_check
 
     whole = "0.01 I llama_moe: 6.38 MiB of expert weights registered with SIM0 (page-locked in place: 1 range(s), 7.03 MiB)"
     part = ("0.02 W llama_moe: 3.20 MiB of 7.03 MiB of expert ranges registered with SIM0 (page-locked in place: "
@@ -166,7 +166,7 @@ def test_the_pinned_check_tells_a_whole_pin_from_a_partial_one():
 
 
 def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
-    from pyllama_moe.compare import cache_check, pin_check
+    from pyllama_moe.harness.compare import cache_check, pin_check
 
     made = ("0.01 I llama_moe: expert cache on SIM0: 1.99 MiB, 4 MoE layers with their experts on the host, 5-5 of 16 "
             "expert slots each; graphs of up to 32 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)")
@@ -208,7 +208,7 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
 
 
 def test_the_cache_check_of_a_whole_cache_wants_layers_read_in_place():
-    from pyllama_moe.compare import cache_check
+    from pyllama_moe.harness.compare import cache_check
 
     made = ("0.01 I llama_moe: expert cache on SIM0: 6.39 MiB, 4 MoE layers with their experts on the host, 16-16 of 16 "
             "expert slots each; graphs of up to 8 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)")
@@ -237,7 +237,7 @@ def test_the_cache_check_of_a_whole_cache_wants_layers_read_in_place():
 
 
 def test_the_cache_check_of_a_cache_filled_whole_wants_nothing_left_to_admit():
-    from pyllama_moe.compare import cache_check
+    from pyllama_moe.harness.compare import cache_check
 
     made = ("0.01 I llama_moe: expert cache on SIM0: 6.39 MiB, 4 MoE layers with their experts on the host, 16-16 of 16 "
             "expert slots each; graphs of up to 8 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX); 4 layers with a slot "

@@ -79,7 +79,7 @@ print(json.dumps({"default_after": after.decode() if after else None}))
 
 
 def test_moe_llama_takes_a_profile_and_writes_it_when_the_context_is_freed(patched_build, tiny_model, tmp_path):
-    from pyllama_moe import profile
+    from pyllama_moe.plot import profile
 
     path = tmp_path / "p.gguf"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "LLAMA_MOE_", "LLAMA_CPP_LIB"))}

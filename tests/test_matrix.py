@@ -3,9 +3,9 @@ import itertools
 import numpy as np
 import pytest
 
-from pyllama_moe.compare import logit_diagnostics, summarize, CellResult
 from pyllama_moe.errors import UserError
-from pyllama_moe.matrix import AXES, load_matrix, pairwise_cover
+from pyllama_moe.harness.compare import logit_diagnostics, summarize, CellResult
+from pyllama_moe.harness.matrix import AXES, load_matrix, pairwise_cover
 from pyllama_moe.paths import CI_DIR
 
 
@@ -128,7 +128,7 @@ def _steps(**counts):
 
 
 def test_a_by_path_reference_is_named_by_the_layers_that_left_the_banks():
-    from pyllama_moe.compare import choose_reference
+    from pyllama_moe.harness.compare import choose_reference
 
     experts = {0, 1, 2, 3}
     reading = {il: _steps(device=15) for il in experts}
@@ -157,7 +157,7 @@ def test_a_by_path_reference_is_named_by_the_layers_that_left_the_banks():
 
 
 def test_a_layer_that_read_the_banks_and_left_them_has_no_reference():
-    from pyllama_moe.compare import choose_reference
+    from pyllama_moe.harness.compare import choose_reference
 
     experts = {0, 1, 2, 3}
     paths = {0: _steps(device=15), 1: _steps(device=9, staging=6), 2: _steps(staging=15), 3: _steps(staging=15)}
@@ -177,7 +177,7 @@ CACHE_LINE = ("llama_moe: expert cache on {dev}: 2.99 MiB, {n} MoE layers with t
 
 
 def test_the_paths_check_holds_each_layer_to_the_path_its_slots_name():
-    from pyllama_moe.compare import paths_check, predicted_paths
+    from pyllama_moe.harness.compare import paths_check, predicted_paths
 
     split = CACHE_LINE.format(dev="SIM0", n=4, lo=7, hi=8)
     assert predicted_paths(split, 2, 4) == {"device": (1, 3), "staging": (1, 3)}

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from pyllama_moe import trees
 from pyllama_moe.paths import PROJECT_ROOT
+from pyllama_moe.source import trees
 
 PROGRAM = PROJECT_ROOT / "tests" / "native" / "test_mmvq_mmid.cpp"
 START = "// Per-architecture maximum batch size for which MMVQ should be used for MUL_MAT_ID."

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from pyllama_moe import models
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.harness import models
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
 pytestmark = pytest.mark.build

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from pyllama_moe import models, runner
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 from pyllama_moe.synth.gguf_read import read_gguf
 from pyllama_moe.worker.mode_logits import forced_token

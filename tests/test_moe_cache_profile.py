@@ -14,10 +14,11 @@ import os
 import numpy as np
 import pytest
 
-from pyllama_moe import models, profile, runner
-from pyllama_moe.ffi import decode_hit_rate
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.build.ffi import decode_hit_rate
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
+from pyllama_moe.plot import profile
 
 SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50", "GGML_SCHED_PREFETCH": "2"}
 PROMPT = [(i * 7919) % 4000 + 16 for i in range(512)]  # 4 ubatches of 128 that upload ahead: the last one seeds
@@ -232,7 +233,7 @@ def test_the_device_lookup_counts_what_the_host_side_plan_counts(patched_build, 
 
 
 def test_profile_show_and_the_heat_map(written, tmp_path, capsys):
-    from pyllama_moe.cli import main
+    from pyllama_moe.cli.main import main
 
     path, _ = written
     assert main(["profile", "show", str(path)]) == 0

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama_moe import models, runner
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
 # GGML_SCHED_PREFETCH=2: SIM devices upload ahead (the default mode is for CUDA-family devices alone)

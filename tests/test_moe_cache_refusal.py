@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from pyllama_moe import models, runner
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
 pytestmark = pytest.mark.build

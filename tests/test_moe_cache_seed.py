@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama_moe import models, runner
-from pyllama_moe.ffi import decode_hit_rate
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.build.ffi import decode_hit_rate
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
 # GGML_SCHED_PREFETCH=2: SIM devices upload ahead (the default mode is for CUDA-family devices alone)
@@ -184,7 +184,7 @@ def test_seeding_costs_the_same_synchronizations_however_long_the_prompt(patched
 def test_first_tokens_times_the_tokens_after_a_prompt_per_setting(patched_build, model):
     # the tool of the GPU target (first 16 tokens after a 4096-token prompt against the steady rate), small: a
     # 512-token prompt at ub 128, 4 tokens timed after it and 4 again after 8 more, a fresh cache before each prompt
-    from pyllama_moe import first_tokens, paced
+    from pyllama_moe.bench import first_tokens, paced_process as paced
 
     spec = paced.PacedSpec(model=model, n_prompt=512, n_gen=0, n_batch=512, n_ubatch=UBATCH, n_cpu_moe=N_LAYERS,
                            n_threads=2, load_mode="none")

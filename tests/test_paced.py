@@ -1,4 +1,4 @@
-"""The paced benchmark driver (tools/paced-bench) and its Python side (pyllama_moe.paced) on the CPU builds.
+"""The paced benchmark driver (tools/paced-bench) and its Python side (pyllama_moe.bench.paced_process) on the CPU builds.
 
 What these tests do not prove: that the driver's timings match llama-bench's (no timing is asserted beyond
 ns > 0), or that -ncmoe / -lm none place tensors as on a GPU (on the CPU build they change little); they show
@@ -12,9 +12,10 @@ import re
 
 import pytest
 
-from pyllama_moe import models, paced
+from pyllama_moe.bench import paced_process as paced
 from pyllama_moe.errors import UserError
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.harness import models
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
 pytestmark = pytest.mark.build

@@ -3,10 +3,10 @@ import shutil
 
 import pytest
 
-from pyllama_moe import patches
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import PATCHES_DIR, SERIES_FILE
-from pyllama_moe.pin import load_pin
+from pyllama_moe.source import patches
+from pyllama_moe.source.pin import load_pin
 
 
 def _copy_series(tmp_path):

@@ -19,8 +19,9 @@ import textwrap
 
 import pytest
 
-from pyllama_moe import ffi, models, runner
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.build import ffi
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 from pyllama_moe.synth.gguf_read import read_gguf
 

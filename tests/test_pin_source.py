@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from pyllama_moe import source
 from pyllama_moe.errors import UserError
-from pyllama_moe.pin import load_pin
+from pyllama_moe.source import sdist as source
+from pyllama_moe.source.pin import load_pin
 
 
 def _fake_sdist(tmp_path, files: dict[str, bytes]):

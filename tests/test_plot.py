@@ -10,10 +10,10 @@ import xml.etree.ElementTree as ET
 import pytest
 from PIL import Image  # matplotlib's own dependency
 
-from pyllama_moe import plot
-from pyllama_moe.cli import main
+from pyllama_moe.cli.main import main
 from pyllama_moe.errors import UserError
-from pyllama_moe.plot import bench_figure, load_tests
+from pyllama_moe.plot import main as plot
+from pyllama_moe.plot.main import bench_figure, load_tests
 
 META2 = {"schema": 2, "baseline": "/b/master-cuda-1", "candidate": "/b/patched-cuda-2", "baseline_name": "master",
          "candidate_name": "patched", "confidence": 0.95, "method": "paired t"}
@@ -268,7 +268,7 @@ def test_sweep_draws_one_line_per_file_and_setting_with_intervals(tmp_path):
                                           _swept("pp512 ub128", 128, 1.05, 1.0, 1.1)])
     b = _schema2(tmp_path / "skew05.json", [_swept("pp512 ub32", 32, 0.7, 0.6, 0.8),
                                             _swept("pp512 ub32 ncmoe0", 32, 1.0, 0.99, 1.01, ncmoe=0)])
-    from pyllama_moe.plot_sweep import sweep_figure, sweep_series
+    from pyllama_moe.plot.sweep import sweep_figure, sweep_series
 
     assert sweep_series(a, "n_ubatch", "ratio") == {"skew0": [(32.0, 0.8, 0.78, 0.82), (128.0, 1.05, 1.0, 1.1),
                                                               (512.0, 1.3, 1.2, 1.4)]}
@@ -287,7 +287,7 @@ def test_sweep_of_shares_skips_the_limit_row_and_a_bad_field_is_named(tmp_path, 
     share = {"row": "ncmoe0", "share_candidate": 0.9, "share_low": 0.85, "share_high": 0.95, "share_baseline": 0.5}
     f = _schema2(tmp_path / "s.json", [_swept("ub2048", 2048, 1.5, 1.4, 1.6, limit=share),
                                        _swept("ub2048 all on the GPU", 2048, 1.0, 0.99, 1.01, ncmoe=0)])
-    from pyllama_moe.plot_sweep import sweep_series
+    from pyllama_moe.plot.sweep import sweep_series
 
     assert sweep_series(f, "n_ubatch", "share") == {"s": [(2048.0, 0.9, 0.85, 0.95)]}
     assert main(["plot", str(f), "--sweep", "n_batch", "-o", str(tmp_path / "x.svg")]) == 2
@@ -316,7 +316,7 @@ def test_sweep_reads_llama_bench_json_of_one_build(tmp_path, capsys):
     f = tmp_path / "sweep.json"
     f.write_text(json.dumps([record(4096, 216, [9818, 9810, 9823]), record(4096, 108, [6438, 6469, 6476]),
                              record(2048, 108, [4357, 4371, 4374, 4380])]))
-    from pyllama_moe.plot_sweep import sweep_series
+    from pyllama_moe.plot.sweep import sweep_series
 
     # the test time and the hit rates differ per record and are results, not settings: one line per ubatch, not per
     # record
@@ -336,7 +336,7 @@ def test_hit_rates_draw_a_line_per_row_and_side_with_a_cache(tmp_path):
                                             "layers": {"0": 0.7, "1": 0.8, "2": 0.75}}}
     no_cache = _test2("tg128 ncmoe0", 340.0, 340.0, 1.0, 0.99, 1.01)
     path = _schema2(tmp_path / "tg.json", [with_cache, no_cache], candidate_name="patched")
-    from pyllama_moe.plot_hits import hit_rates_figure
+    from pyllama_moe.plot.hits import hit_rates_figure
 
     fig = hit_rates_figure([path])
     (ax,) = fig.axes
@@ -360,7 +360,7 @@ def test_hit_rates_add_a_panel_of_the_bytes_over_pcie_per_token_where_rows_say_i
                                        "layers": {"0": rate, "1": rate}, "upload_bytes_per_token": per_token}}
         rows.append(t)
     path = _schema2(tmp_path / "tg.json", rows, candidate_name="patched")
-    from pyllama_moe.plot_hits import hit_rates_figure
+    from pyllama_moe.plot.hits import hit_rates_figure
 
     fig = hit_rates_figure([path])
     rates, transfers = fig.axes
@@ -380,7 +380,7 @@ def test_hit_rates_read_a_patched_llama_bench_sweep_of_the_cache_budget(tmp_path
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps([record(2000, [0.1, 0.4, 0.5], [9 * 64 * 2**20, 4 * 64 * 2**20, 2 * 64 * 2**20]),
                                 record(8000, [0.3, 0.8, 0.8], [5 * 64 * 2**20, 64 * 2**20, 64 * 2**20])]))
-    from pyllama_moe.plot_hits import hit_series, hit_rates_figure
+    from pyllama_moe.plot.hits import hit_series, hit_rates_figure
 
     series = hit_series(path)
     assert [(label, overall, per_token / 2**20) for label, _, overall, per_token in series] == [

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_moe import models, runner
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR, PROJECT_ROOT
 
 HAZARDS = PROJECT_ROOT / "tests" / "native" / "test_prefetch_hazards.cpp"
@@ -477,8 +477,8 @@ def test_the_staging_budget_has_setters_of_its_own(patched_build):
     the budget has its own setters and getters: the environment gives the process default, -1 unsets (back to the
     environment), 0 is auto only when set, and the per-context value starts from the process default."""
     script = f"""
-from pyllama_moe import ffi
-from pyllama_moe.build import find_build
+from pyllama_moe.build import ffi
+from pyllama_moe.build.builder import find_build
 cffi_ffi, _ = ffi._ffi()
 lib = ffi.load(find_build("patched", "cpu", "{patched_build.key}"))
 get = getattr(lib, "llama_moe_default_get_prefetch_staging_mib", None) or (lambda: lib.llama_moe_prefetch_default_params().staging_mib)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_moe.cli import build_parser
+from pyllama_moe.cli.main import build_parser
 from pyllama_moe.paths import PROJECT_ROOT
 
 README = PROJECT_ROOT / "README.md"

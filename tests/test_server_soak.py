@@ -1,4 +1,4 @@
-"""The server soak (pyllama_moe/server_soak.py).
+"""The server soak (pyllama_moe/harness/server_soak.py).
 
 Its checks are tested on data first (probe rounds, which probes docs/cache-paths.md says equal all on
 the GPU, memory growth, bad input); then a short soak of the patched llama-server on one SIM device (4 slots,
@@ -12,9 +12,9 @@ import json
 
 import pytest
 
-from pyllama_moe.cli import main
-from pyllama_moe.server_soak import (PROBES, SoakConfig, all_gpu_guaranteed, cache_facts, memory_check,
-                                     round_differences, run)
+from pyllama_moe.cli.main import main
+from pyllama_moe.harness.server_soak import (PROBES, SoakConfig, all_gpu_guaranteed, cache_facts, memory_check,
+                                             round_differences, run)
 
 # the line the cache logs when made (native/src/llama-moe-cache-rt.cpp), as the tiny model's 2 MiB cache says it
 BANKS_LINE = ("llama_moe: expert cache: graphs of up to 1 token read the banks of every cached layer; larger ones leave "

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from pyllama_moe import bench, bench_limits, stats
-from pyllama_moe.bench import BenchPlan, Sample, BenchRow
-from pyllama_moe.build import Build
+from pyllama_moe.bench import limits as bench_limits, rounds as bench, stats
+from pyllama_moe.bench.rounds import BenchPlan, Sample, BenchRow
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
 
 

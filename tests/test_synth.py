@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from pyllama_moe.cli import synth as cli
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import PROJECT_ROOT
-from pyllama_moe.synth import cli
 from pyllama_moe.synth.corpus import corpus_from_model, generate_corpus, vocab_words
 from pyllama_moe.synth.gguf_read import read_gguf
 from pyllama_moe.synth.lora import write_lora

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
 from pyllama_moe.errors import UserError
-from pyllama_moe.runner import RunSpec, run
+from pyllama_moe.harness.runner import RunSpec, run
 from pyllama_moe.synth.gguf_read import read_gguf
 from pyllama_moe.synth.routes import route_histogram
 from pyllama_moe.synth.shapes import resolve_shape

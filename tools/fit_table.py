@@ -1,7 +1,7 @@
 """The table of results/fit.md from the llama-bench JSON of `ci/gpu/fit.sh bench` (one file per row and round):
 `python3 tools/fit_table.py DIR` (DIR: the step's $OUT)."""
 import json, pathlib, re, statistics, sys
-from pyllama_moe.stats import paired_ratio_interval
+from pyllama_moe.bench.stats import paired_ratio_interval
 d = pathlib.Path(sys.argv[1])
 means = {}  # (row, test) -> {round: mean t/s of the invocation}
 for f in sorted(d.glob("bench-*-r*.json")):

@@ -6,11 +6,12 @@ CPU patched build (results/expert-cache-seeding-and-profiles.md's table): the ti
 """
 from __future__ import annotations
 
-from pyllama_moe import models, runner, source
-from pyllama_moe.build import resolve
-from pyllama_moe.ffi import decode_hit_rate
-from pyllama_moe.matrix import load_matrix
+from pyllama_moe.build.builder import resolve
+from pyllama_moe.build.ffi import decode_hit_rate
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
+from pyllama_moe.source import sdist as source
 
 ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50", "GGML_SCHED_PREFETCH": "2",
        "LLAMA_MOE_CACHE_MIB": "2"}

@@ -73,7 +73,7 @@ first_tokens() { # $1: a name (its JSON, text and log folder in $OUT), then firs
 
 patched_bin() { # the bin folder of the patched CUDA build that start_builds made; $1: its targets where they were
     # not the default ones (comma-separated), so that resolving it does not build the others
-    python3 -c "import pathlib, sys; from pyllama_moe.build import resolve
+    python3 -c "import pathlib, sys; from pyllama_moe.build.builder import resolve
 targets = {'targets': tuple(sys.argv[1].split(','))} if sys.argv[1] else {}
 print(resolve('patched', 'cuda', archive=pathlib.Path('$A/llama.cpp-patched.tar.gz'), **targets).bin_dir)" "${1:-}"
 }
@@ -82,8 +82,8 @@ tiny_prompt() { # sets SMALL to the matrix's tiny qwen3moe model (made here when
     # writes the first 4000 characters of its corpus to /tmp/prompt.txt (~1100 tokens)
     local corpus
     read -r SMALL corpus < <(python3 -c 'import pathlib
-from pyllama_moe.matrix import load_matrix
-from pyllama_moe.models import ensure_corpus, ensure_model
+from pyllama_moe.harness.matrix import load_matrix
+from pyllama_moe.harness.models import ensure_corpus, ensure_model
 m = ensure_model("qwen3moe", load_matrix(pathlib.Path("ci/matrix.toml")).models["qwen3moe"])
 print(m, ensure_corpus(m))')
     head -c 4000 "$corpus" > /tmp/prompt.txt

@@ -38,8 +38,9 @@ syncs)
     wait_builds 300 || exit 1
     timeout 400 python3 - "$MODEL" <<'PY' 2>&1 | tee "$OUT/device-syncs.txt"
 import pathlib, sys
-from pyllama_moe import packs, runner
-from pyllama_moe.build import resolve
+from pyllama_moe.build.builder import resolve
+from pyllama_moe.harness import runner
+from pyllama_moe.source import packs
 archive = pathlib.Path(".work/archives/llama.cpp-patched.tar.gz")
 build, src = resolve("patched", "cuda", archive=archive), packs.archive_source(archive, "patched")
 tokens = [(i * 7919) % 4000 + 16 for i in range(600)]

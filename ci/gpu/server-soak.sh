@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama-server with the expert cache under concurrent load on CUDA (pyllama_moe/server_soak.py, the verb server-soak):
+# llama-server with the expert cache under concurrent load on CUDA (pyllama_moe/harness/server_soak.py, the verb server-soak):
 # 4 slots, every expert on the host (-cmoe), the cache at a quarter of the expert bytes, a synthetic LoRA adapter, on
 # the Qwen3-30B-A3B shape cut to 8 layers (Q4_0, routing skew 0.5, 3 GB; 648 MiB of cache give 31-32 of 128 slots a
 # layer: decode steps of up to 3 sequences read every layer's banks, a step of 4 leaves them in one layer, as a SIM

@@ -13,8 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from pyllama_moe import packs, runner, source
-from pyllama_moe.build import resolve
+from pyllama_moe.build.builder import resolve
+from pyllama_moe.harness import runner
+from pyllama_moe.source import packs, sdist as source
 
 
 def main() -> int:

@@ -9,7 +9,8 @@
     corpus     Zipf-distributed text in a model's vocabulary
     routes     per-layer expert-routing histogram measured with the real llama.cpp (child process:
                probe.py runs pyllama_moe.worker's "routes" mode)
-    cli        the `synth`, `corpus` and `routes` verbs (register(subparsers))
+
+The `synth`, `corpus` and `routes` verbs live in pyllama_moe/cli/synth.py.
 """
 
 from pyllama_moe.synth.corpus import corpus_from_model, generate_corpus, vocab_words

@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType
 
 from pyllama_moe.errors import UserError
-from pyllama_moe.synth import tensors
 from pyllama_moe.progress import Progress
+from pyllama_moe.synth import tensors
 from pyllama_moe.synth.quant import chunk
 from pyllama_moe.synth.shapes import ModelShape
 from pyllama_moe.synth.tokenizer import BOS_ID, EOS_ID, UNK_ID, build_vocab

@@ -74,7 +74,7 @@ def _preload_libllama(lib_dir: Path) -> ctypes.CDLL:
 
 def _check_build(libllama: ctypes.CDLL, lib_dir: Path, expect: dict) -> None:
     """Refuse a library that is not the build the parent asked for (its embedded key; master has none)."""
-    from pyllama_moe.buildinfo import embedded_mismatch, parse_build_info  # pure Python: safe before numpy
+    from pyllama_moe.build.info import embedded_mismatch, parse_build_info  # pure Python: safe before numpy
 
     fn = getattr(libllama, "llama_moe_build_info", None)
     if fn is not None:

@@ -1,4 +1,4 @@
-"""Worker mode "logits": the logits of every prompt position and greedy text (runner.py starts it).
+"""Worker mode "logits": the logits of every prompt position and greedy text (harness/runner.py starts it).
 
 Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
 "n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
@@ -338,7 +338,7 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
 
 def _set_cache_caps(lib_dir: Path, caps: dict) -> None:
     """Caps on the expert cache per device name, as --fit sets them before a context is made."""
-    from pyllama_moe.ffi import _ffi
+    from pyllama_moe.build.ffi import _ffi
 
     ffi, _ = _ffi()
     lib = ffi.dlopen(str(lib_dir / "libllama.so"))
@@ -350,7 +350,7 @@ class _MoeApi:
     """llama-moe.h of the loaded libllama through cffi (the same library llama_cpp loaded), for one context."""
 
     def __init__(self, lib_dir: Path, ctx):
-        from pyllama_moe.ffi import _ffi
+        from pyllama_moe.build.ffi import _ffi
 
         self.ffi, _ = _ffi()
         self.lib = self.ffi.dlopen(str(lib_dir / "libllama.so"))
@@ -370,7 +370,7 @@ class _MoeApi:
     def layer_paths(self, n_layer: int) -> dict[int, dict[str, int]]:
         """The steps of each cached layer by path since the cache was made, both phases summed (layers without a cache
         count none)."""
-        from pyllama_moe.ffi import cache_path_steps
+        from pyllama_moe.build.ffi import cache_path_steps
 
         if not hasattr(self.lib, "llama_moe_cache_get_path_steps"):
             return {}
@@ -393,14 +393,14 @@ class _MoeApi:
         if hasattr(self.lib, "llama_moe_get_prefetch_staging_mib"):
             out["prefetch_staging_mib"] = int(self.lib.llama_moe_get_prefetch_staging_mib(self.ctx))
         if hasattr(self.lib, "llama_moe_cache_get_counters"):
-            from pyllama_moe.ffi import cache_counters
+            from pyllama_moe.build.ffi import cache_counters
 
             # the expert cache's counters since the context was created, summed over its layers, per phase
             for phase, name in ((0, "cache_prompt"), (1, "cache_decode")):
                 out["cache_layers"], out[name] = cache_counters(self.lib, self.ffi, self.ctx, phase)
             out["cache_bytes"] = int(self.lib.llama_moe_cache_size(self.ctx))
         if hasattr(self.lib, "llama_moe_cache_get_path_steps"):
-            from pyllama_moe.ffi import cache_path_steps
+            from pyllama_moe.build.ffi import cache_path_steps
 
             # the steps of every cached layer in every graph, by the path each took
             out["cache_paths"] = {name: cache_path_steps(self.lib, self.ffi, self.ctx, phase)

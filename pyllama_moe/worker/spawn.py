@@ -1,6 +1,6 @@
 """Parent side of the worker: the one way to run a request in a fresh `python -m pyllama_moe.worker` process.
 
-runner.py (mode "logits") and synth/probe.py ("routes", "roundtrip") both come through run_worker, so the
+harness/runner.py (mode "logits") and synth/probe.py ("routes", "roundtrip") both come through run_worker, so the
 child's environment, the request and reply files and the report of a failure are the same for every caller.
 """
 

@@ -5,7 +5,7 @@ ones: ABBA order, so a linear drift of the machine favours neither build), each 
 (`-r REPS`). The first `discard` repetitions of every invocation are warm-up and are dropped: on the GPU
 machine the first repetition after llama-bench's own warm-up run is still 2-15% slow. The rest of an
 invocation is averaged into one block mean, and per test the ratio candidate/baseline and its interval come
-from the rounds' pairs of block means (`pyllama_moe.stats`, which says why the invocation is the unit).
+from the rounds' pairs of block means (`pyllama_moe.bench.stats`, which says why the invocation is the unit).
 
 Short rounds repeated often beat long rounds: with `target_ci` the rounds go on until every test's interval
 is at most +/- target_ci, or the time budget is spent; rows that did not get there are named. Absolute numbers
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pyllama_moe import stats
-from pyllama_moe.build import Build
+from pyllama_moe.bench import stats
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
 from pyllama_moe.progress import say
 
@@ -55,7 +55,7 @@ class Sample:
     ts: float  # tokens per second of this repetition
     discarded: bool  # warm-up: not used in any statistic
     # the expert cache's hit rate in this repetition, over its cached layers and per layer ("il=rate,..."), where the
-    # build reports one (patched llama-bench with a cache; bench_hits.py)
+    # build reports one (patched llama-bench with a cache; hits.py)
     hit_rate: float | None = None
     layer_hit_rates: str | None = None
     # ... and the bytes its decode steps uploaded from the host (the misses' experts: what crossed PCIe)

@@ -1,5 +1,5 @@
 """`pyllama-moe plot --hit-rates`: the expert cache's decode hit rate per layer, from `pyllama-moe bench --json`
-files whose rows carry one (`bench_hits.py`: a patched llama-bench with the cache on).
+files whose rows carry one (`bench/hits.py`: a patched llama-bench with the cache on).
 
 One line per file, row and side with a cache, the layer index on x and the hit rate on y, the row's overall rate
 in its legend entry. The layers of a model route alike, so a flat line is what an equal share of slots per layer
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import statistics
 
-from pyllama_moe.bench_hits import parse_layer_rates
+from pyllama_moe.bench.hits import parse_layer_rates
 from pyllama_moe.errors import UserError
-from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
+from pyllama_moe.plot.bench_files import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
 
 
 def _llama_bench_hits(path: Path) -> list[tuple[str, list[tuple[int, float]], float, float | None]] | None:

@@ -6,7 +6,7 @@ repetitions are 17 s apart, long enough for the machine to drift between them. P
 builds' drivers (`tools/paced-bench`, compiled against each build) at once, let them load in parallel, warm
 each up as llama-bench does, then ask them for repetitions in turn, A B B A ..., a few seconds apart. A round
 still ends with both processes: a process's placement (which memory, which cores) is part of the noise, so
-the interval keeps pairing rounds, never repetitions (`pyllama_moe.stats`).
+the interval keeps pairing rounds, never repetitions (`pyllama_moe.bench.stats`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pyllama_moe import paced
-from pyllama_moe.bench import SIDES, BenchPlan, RoundRunner, check_planted_slowdown
-from pyllama_moe.build import Build
+from pyllama_moe.bench import paced_process as paced
+from pyllama_moe.bench.rounds import SIDES, BenchPlan, RoundRunner, check_planted_slowdown
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
 
 # llama-bench flags the driver takes, with the PacedSpec field each sets and how to read its value

@@ -767,7 +767,7 @@ def _terminated(signum, frame):
 
 
 def register(sub) -> None:
-    from pyllama_moe.cli_args import SEED, count, input_file, output_dir, real_number, seconds, whole_number
+    from pyllama_moe.arguments import SEED, count, input_file, output_dir, real_number, seconds, whole_number
 
     p = sub.add_parser("server-soak", help="llama-server with the expert cache under concurrent load: probes must not "
                                            "drift, errors 0, memory flat",

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import cache_dir
-from pyllama_moe.pin import Pin, load_pin
 from pyllama_moe.progress import Progress, say
+from pyllama_moe.source.pin import Pin, load_pin
 
 MANIFEST_NAME = "manifest.json"
 COMPLETE_MARK = ".complete"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pyllama_moe import ffi
-from pyllama_moe.build import Build
+from pyllama_moe.build import ffi
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
-from pyllama_moe.source import Source
+from pyllama_moe.source.sdist import Source
 from pyllama_moe.worker import spawn
 
 

@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 from scipy.special import log_softmax
 
-from pyllama_moe import models, runner, source
-from pyllama_moe.bench_limits import uploading_ubatches
-from pyllama_moe.build import Build, resolve
+from pyllama_moe.bench.limits import uploading_ubatches
+from pyllama_moe.build.builder import Build, resolve
 from pyllama_moe.errors import UserError
-from pyllama_moe.matrix import SIM_DEVICES, Cell, Matrix
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import SIM_DEVICES, Cell, Matrix
 from pyllama_moe.progress import say
-from pyllama_moe.source import Source
+from pyllama_moe.source import sdist as source
+from pyllama_moe.source.sdist import Source
 
 
 @dataclass

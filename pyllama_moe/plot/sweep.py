@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from pyllama_moe.errors import UserError
-from pyllama_moe.plot import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
+from pyllama_moe.plot.bench_files import NOT_BENCH, NOT_BENCH_FIX, _read_file, llama_bench_records
 
 # what a point is: (title of the y axis, the value, its interval's low and high)
 MEASURES = {

@@ -23,9 +23,9 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from pyllama_moe import stats
-from pyllama_moe.bench import SIDES, TEST_FIELDS, BenchResult, BenchRow
-from pyllama_moe.build import Build
+from pyllama_moe.bench import stats
+from pyllama_moe.bench.rounds import SIDES, TEST_FIELDS, BenchResult, BenchRow
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
 from pyllama_moe.progress import say
 

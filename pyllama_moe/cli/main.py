@@ -7,13 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from pyllama_moe.cli_args import (OneLineParser, VersionAction, add_build_args, add_source_args, count, output_dir,
-                                  output_file, refuse_overwrite)
+from pyllama_moe.arguments import count, output_dir, output_file, refuse_overwrite
+from pyllama_moe.cli.args import add_build_args, add_source_args, OneLineParser, VersionAction
 from pyllama_moe.errors import UserError
 
 
 def cmd_source(args) -> int:
-    from pyllama_moe import packs, source
+    from pyllama_moe.source import packs, sdist as source
 
     out = args.output or Path(f"llama.cpp-{args.variant}.tar.gz")
     if args.action == "pack":
@@ -29,9 +29,9 @@ def cmd_source(args) -> int:
 
 
 def cmd_patches(args) -> int:
-    from pyllama_moe import patches, source
     from pyllama_moe.paths import PROJECT_ROOT
-    from pyllama_moe.pin import load_pin
+    from pyllama_moe.source import patches, sdist as source
+    from pyllama_moe.source.pin import load_pin
 
     scratch = args.dir or (PROJECT_ROOT / ".work" / "llama.cpp")
     if args.action == "export" and not scratch.is_dir():  # export reads it: say so before fetching the source
@@ -61,7 +61,7 @@ def cmd_patches(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from pyllama_moe.build import resolve
+    from pyllama_moe.build.builder import resolve
 
     targets = tuple(args.targets.split(",")) if args.targets else None
     extra = tuple(args.cmake_arg or ())
@@ -75,8 +75,8 @@ def cmd_build(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from pyllama_moe import ffi
-    from pyllama_moe.build import resolve
+    from pyllama_moe.build import ffi
+    from pyllama_moe.build.builder import resolve
 
     built = resolve(args.variant, args.backend, sdist=args.sdist, llama_src=args.llama_src, archive=args.archive, make=False)
     lib = ffi.load(built)
@@ -137,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _registries():
     """Verbs that live in their own modules register themselves here."""
-    from pyllama_moe import cli_first_tokens, cli_harness, plot, profile, server_soak
-    from pyllama_moe.synth import cli as synth_cli
+    from pyllama_moe.cli import first_tokens as cli_first_tokens, harness as cli_harness, synth as synth_cli
+    from pyllama_moe.harness import server_soak
+    from pyllama_moe.plot import main as plot, profile
 
     return (cli_harness.register, cli_first_tokens.register, synth_cli.register, plot.register, profile.register,
             server_soak.register)

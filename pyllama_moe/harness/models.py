@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pyllama_moe.build import Build
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import PROJECT_ROOT, cache_dir
 from pyllama_moe.synth.gguf_read import read_gguf

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from pyllama_moe.cli_args import (LLAMA_THREADS, MIB, check_bench_numbers, check_cache_has_a_device,
-                                  check_cpu_moe_layers, choice_list, count, input_dir, input_file, model_header,
-                                  output_file, real_number, refuse_overwrite, seconds, threads_or_all, whole_number)
+from pyllama_moe.arguments import (choice_list, count, input_dir, input_file, LLAMA_THREADS, MIB, output_file,
+                                   real_number, refuse_overwrite, seconds, threads_or_all, whole_number)
+from pyllama_moe.cli.args import check_bench_numbers, check_cache_has_a_device, check_cpu_moe_layers, model_header
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import CI_DIR
 
@@ -27,7 +27,7 @@ def _threads(args) -> int:
 
 def _source(args):
     """The source the runner takes the llama_cpp package from: an archive's when building from archives."""
-    from pyllama_moe import packs, source
+    from pyllama_moe.source import packs, sdist as source
 
     if getattr(args, "archive_dir", None):
         return packs.archive_source(args.archive_dir / "llama.cpp-master.tar.gz", "master")
@@ -69,7 +69,7 @@ def _check_run(args) -> None:
 def _check_profile_fits(path: Path, model: Path) -> None:
     """A profile that is no profile, or one of another model, is refused before the run: the build would only log
     the refusal and run on with an empty cache. (The router weights' hash only the build can check.)"""
-    from pyllama_moe import profile
+    from pyllama_moe.plot import profile
 
     try:
         p = profile.read(path)
@@ -93,8 +93,8 @@ def _show_moe_alerts(lines: list[str]) -> None:
 
 
 def cmd_run(args) -> int:
-    from pyllama_moe import runner
-    from pyllama_moe.build import resolve
+    from pyllama_moe.build.builder import resolve
+    from pyllama_moe.harness import runner
 
     _check_run(args)
     prompt = args.prompt_file.read_text() if args.prompt_file else (args.prompt or DEFAULT_PROMPT)
@@ -116,7 +116,7 @@ def cmd_run(args) -> int:
              "logits_sha256": result.logits_sha256, "generated": result.generated, "text": result.text}
     cache_line = ""
     if result.stats:
-        from pyllama_moe.ffi import decode_hit_rate
+        from pyllama_moe.build.ffi import decode_hit_rate
 
         decode = result.stats["generate"]["cache_decode"]
         reply["cache_decode"] = decode
@@ -128,7 +128,7 @@ def cmd_run(args) -> int:
 
 
 def _select_cells(args):
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness.matrix import load_matrix
 
     matrix = load_matrix(args.matrix)
     matrix.defaults = {**matrix.defaults, "baseline": args.baseline, "candidate": args.candidate}
@@ -143,7 +143,7 @@ def _select_cells(args):
 
 
 def run_compare(args) -> tuple[int, list, dict]:
-    from pyllama_moe import compare
+    from pyllama_moe.harness import compare
 
     matrix, cells = _select_cells(args)
     src = _source(args)
@@ -175,8 +175,8 @@ def _env_pairs(values: list[str] | None, flag: str) -> dict:
 
 
 def run_bench(args, model: Path) -> str:
-    from pyllama_moe import bench, bench_hits, bench_limits
-    from pyllama_moe.build import resolve
+    from pyllama_moe.bench import hits as bench_hits, limits as bench_limits, rounds as bench
+    from pyllama_moe.build.builder import resolve
 
     def build(variant: str, archive: Path | None):  # only the tools bench runs, so a bench-only build dir is enough
         # an archive named for one side may hold another patch series than this checkout's (before/after a change)
@@ -242,7 +242,7 @@ def run_bench(args, model: Path) -> str:
 
     runner = None
     if args.paced:
-        from pyllama_moe import bench_paced
+        from pyllama_moe.bench import paced_rounds as bench_paced
 
         runner = bench_paced.paced_rounds(builds, plan, args.paced_chunk)
     result = bench.ab_bench(builds, plan, on_round=save, runner=runner)
@@ -273,7 +273,7 @@ def run_bench(args, model: Path) -> str:
 def _thread_args(args, bench_args: list[str]) -> list[str]:
     """llama-bench's threads from one place: the user's own llama-bench arguments, --pin-threads, or bench -t N
     (0: all cores, as llama.cpp's -t 0), each in place of the default arguments' -t."""
-    from pyllama_moe import bench
+    from pyllama_moe.bench import rounds as bench
 
     own = [a for a in (args.bench_args or []) if a in bench.THREAD_FLAGS]
     ways = [way for way, given in (("-t/--threads", args.threads is not None), ("--pin-threads", args.pin_threads),
@@ -290,7 +290,7 @@ def _thread_args(args, bench_args: list[str]) -> list[str]:
 
 def _check_bench_model(args, model: Path, bench_args: list[str], candidate_env: dict[str, str]) -> None:
     """The checks that need the model or the whole plan, before either build."""
-    from pyllama_moe.cli_args import bench_flag_values
+    from pyllama_moe.cli.args import bench_flag_values
 
     refuse_overwrite({"--json": args.json}, {"--model": model})
     if args.moe_cache_mib or any(bench_flag_values(bench_args, ("-mcm", "--moe-cache-mib"))):
@@ -304,8 +304,8 @@ def _check_bench_model(args, model: Path, bench_args: list[str], candidate_env: 
 
 
 def cmd_bench(args) -> int:
-    from pyllama_moe import models
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness import models
+    from pyllama_moe.harness.matrix import load_matrix
 
     if args.bench_args and args.bench_args[0] == "--":
         args.bench_args = args.bench_args[1:]
@@ -330,8 +330,8 @@ DEMO_LEGEND = ("rows: pp512 = a 512-token prompt, tg32 = 32 generated tokens; ub
 
 def cmd_demo(args) -> int:
     """Build CPU master + patched, make a small synthetic MoE, run the identity subset and a short bench."""
-    from pyllama_moe import models
-    from pyllama_moe.matrix import load_matrix
+    from pyllama_moe.harness import models
+    from pyllama_moe.harness.matrix import load_matrix
 
     args.matrix, args.subset = DEFAULT_MATRIX, "demo"
     args.baseline, args.candidate = "master", "patched"
@@ -364,7 +364,7 @@ def cmd_demo(args) -> int:
 
 def _add_common(p: argparse.ArgumentParser, variant: bool = False,
                 threads_help: str = "CPU threads (default: min(4, cores); 0: all cores, as llama.cpp's -t 0)") -> None:
-    from pyllama_moe.cli_args import add_build_args, add_source_args
+    from pyllama_moe.cli.args import add_build_args, add_source_args
 
     if variant:
         add_build_args(p)

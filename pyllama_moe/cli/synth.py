@@ -8,8 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from pyllama_moe.cli_args import (LLAMA_THREADS, SEED, count, input_dir, input_file, model_header, output_file,
-                                  real_number, refuse_overwrite, whole_number)
+from pyllama_moe.arguments import (count, input_dir, input_file, LLAMA_THREADS, output_file, real_number,
+                                   refuse_overwrite, SEED, whole_number)
+from pyllama_moe.cli.args import model_header
 from pyllama_moe.synth.shapes import ARCHS, OVERRIDES, PRESETS, resolve_shape
 from pyllama_moe.synth.writer import QTYPES, write_model
 
@@ -122,8 +123,8 @@ def cmd_routes(args: argparse.Namespace) -> int:
               "llama.cpp (about a minute on a small CPU box)...", file=sys.stderr, flush=True)
     lib, pkg = args.lib, args.llama_cpp_pkg
     if lib is None or pkg is None:
-        from pyllama_moe import source
-        from pyllama_moe.build import resolve
+        from pyllama_moe.build.builder import resolve
+        from pyllama_moe.source import sdist as source
 
         src = source.ensure_source()
         lib = lib or resolve("master", "cpu").bin_dir

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from pyllama_moe.build import Build, read_stamp
-from pyllama_moe.buildinfo import embedded_mismatch, parse_build_info
+from pyllama_moe.build.builder import Build, read_stamp
+from pyllama_moe.build.info import embedded_mismatch, parse_build_info
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import NATIVE_DIR
 
@@ -110,7 +110,7 @@ def load(build: Build) -> MoeLib:
     except OSError as exc:
         raise UserError(f"cannot load {path}: {exc}",
                         "if it names a missing std:: symbol, this process loaded an older libstdc++ first: import "
-                        "pyllama_moe.ffi before other extension modules, or set LD_PRELOAD to the system libstdc++") from exc
+                        "pyllama_moe.build.ffi before other extension modules, or set LD_PRELOAD to the system libstdc++") from exc
     present = []
     for name in names:
         try:

@@ -14,10 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyllama_moe import patches
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import cache_dir
-from pyllama_moe.source import COMPLETE_MARK, Source
+from pyllama_moe.source import patches
+from pyllama_moe.source.sdist import COMPLETE_MARK, Source
 
 VARIANTS = ("master", "patched")
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyllama_moe.build import Build
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import PROJECT_ROOT
 from pyllama_moe.progress import say
@@ -193,7 +193,7 @@ class PacedProcess:
                 if self._own_log:
                     self.log_path.unlink(missing_ok=True)
                 raise UserError(f"cannot start {self.exe}: {exc}",
-                                "compile it with pyllama_moe.paced.ensure_tool(build)") from None
+                                "compile it with pyllama_moe.bench.paced_process.ensure_tool(build)") from None
         return self
 
     def log_tail(self, n: int = 5) -> str:

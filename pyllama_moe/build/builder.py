@@ -23,13 +23,13 @@ from pathlib import Path
 
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import cache_dir
-from pyllama_moe.pin import load_pin
 from pyllama_moe.progress import Progress, say
-from pyllama_moe.trees import Tree
+from pyllama_moe.source.pin import load_pin
+from pyllama_moe.source.trees import Tree
 
 STAMP_NAME = "pyllama-moe-stamp.json"
 BACKENDS = ("cpu", "cuda")
-# llama-gguf-split: the split-GGUF models of the matrix are cut by llama.cpp's own tool (models.py)
+# llama-gguf-split: the split-GGUF models of the matrix are cut by llama.cpp's own tool (harness/models.py)
 DEFAULT_TARGETS = ("llama", "llama-bench", "llama-perplexity", "llama-completion", "test-backend-ops", "llama-gguf-split")
 # the tool the patch series adds (bench --pcie-bound), and a user's llama-server and llama-cli, which take its flags
 PATCHED_ONLY_TARGETS = ("llama-moe-copy-probe", "llama-server", "llama-cli")
@@ -267,7 +267,7 @@ def resolve(variant: str, backend: str = "cpu", *, sdist: Path | None = None, ll
             archive: Path | None = None, other_series: bool = False, make: bool = True, **spec_kwargs) -> Build:
     """The build of `variant` for the current pin and patch inputs: reused when its key is stamped, else built
     (or, with make=False, a UserError that says how to build it)."""
-    from pyllama_moe import packs, patches, source, trees  # late: packs imports this module
+    from pyllama_moe.source import packs, patches, sdist as source, trees  # late: packs imports this module
 
     offline = packs.unpacked_source(variant) if archive is None and sdist is None and llama_src is None else None
     if archive is not None:

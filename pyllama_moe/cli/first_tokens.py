@@ -1,19 +1,19 @@
 """The verb `first-tokens`: decode rates of the first tokens after a prompt against the steady rate, per setting
-(pyllama_moe.first_tokens)."""
+(pyllama_moe.bench.first_tokens)."""
 
 from __future__ import annotations
 
 import argparse
 
-from pyllama_moe.cli_args import (check_bench_numbers, check_cpu_moe_layers, count, input_file, output_dir,
-                                  output_file, refuse_overwrite, whole_number)
+from pyllama_moe.arguments import count, input_file, output_dir, output_file, refuse_overwrite, whole_number
+from pyllama_moe.cli.args import check_bench_numbers, check_cpu_moe_layers
 from pyllama_moe.errors import UserError
 
 
 def cmd_first_tokens(args) -> int:
-    from pyllama_moe import bench, first_tokens
-    from pyllama_moe.bench_paced import parse_spec
-    from pyllama_moe.build import resolve
+    from pyllama_moe.bench import first_tokens, rounds as bench
+    from pyllama_moe.bench.paced_rounds import parse_spec
+    from pyllama_moe.build.builder import resolve
 
     bench_args = list(args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args)
     check_bench_numbers(bench_args, "paced-bench")
@@ -38,7 +38,7 @@ def cmd_first_tokens(args) -> int:
 
 
 def register(sub) -> None:
-    from pyllama_moe.cli_args import add_build_args
+    from pyllama_moe.cli.args import add_build_args
 
     p = sub.add_parser("first-tokens", help="decode rate of the first tokens after a prompt against the steady rate, "
                                             "per setting (tools/paced-bench)")

@@ -17,11 +17,11 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from pyllama_moe import patches, source, trees
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import cache_dir
-from pyllama_moe.pin import load_pin
 from pyllama_moe.progress import Progress
+from pyllama_moe.source import patches, sdist as source, trees
+from pyllama_moe.source.pin import load_pin
 
 MANIFEST = "pyllama-moe-manifest.json"
 KEEP_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-sim"}

@@ -143,7 +143,7 @@ def cmd_profile(args) -> int:
 
 
 def register(sub) -> None:
-    from pyllama_moe.cli_args import count, input_file
+    from pyllama_moe.arguments import count, input_file
 
     p = sub.add_parser("profile", help="an expert cache profile (--moe-cache-profile FILE): per layer the routings and top experts")
     p.add_argument("action", choices=("show",), help="show: print the profile")

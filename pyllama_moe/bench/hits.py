@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from pyllama_moe.bench import SIDES, BenchResult, BenchRow
+from pyllama_moe.bench.rounds import SIDES, BenchResult, BenchRow
 
 
 def parse_layer_rates(text: str | None) -> dict[int, float]:

@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyllama_moe import paced
-from pyllama_moe.build import Build
+from pyllama_moe.bench import paced_process as paced
+from pyllama_moe.bench.stats import paired_ratio_interval
+from pyllama_moe.build.builder import Build
 from pyllama_moe.errors import UserError
 from pyllama_moe.progress import say
-from pyllama_moe.stats import paired_ratio_interval
 
 LOAD_TIMEOUT_S = 600.0
 STEP_TIMEOUT_S = 600.0

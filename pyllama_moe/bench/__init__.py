@@ -1,0 +1,1 @@
+"""A/B benchmarks: llama-bench rounds, their statistics and limits, hit rates, paced rounds, first tokens."""

@@ -1,0 +1,1 @@
+"""Builds: cmake + ninja keyed by content (builder), the embedded build key (info), the cffi loader (ffi)."""
