@@ -154,7 +154,7 @@ def test_run_shows_the_builds_refusal_and_goes_on(patched_build, model, other_mo
                                                   capsys):
     """`pyllama-moe run`: a profile that only the build can tell is another model's (same shape, other routers) is
     refused by the build, and the run goes on with the build's error line on stderr (docs/cli.md, Errors)."""
-    from pyllama_moe.cli import main
+    from pyllama_moe.cli.main import main
 
     path, _ = written
     copy = tmp_path / "p.gguf"

@@ -254,7 +254,7 @@ def test_cli_refuses_a_bad_model_file_in_one_line(models, tmp_path, kind):
         bad.write_text("not a model\n" * 20)
     redo = "re-create or re-download it"
     expected = {
-        "missing": f"model file {bad} does not exist: check the path",
+        "missing": f"{bad} does not exist (the model to read)",
         "header cut": f"{bad} is not a valid GGUF file (ends at byte 500 inside the header): {redo} "
                       "(a truncated or interrupted write looks like this)",
         "data cut": f"{bad} is truncated: tensor {cut.name} ends at byte "
@@ -267,7 +267,8 @@ def test_cli_refuses_a_bad_model_file_in_one_line(models, tmp_path, kind):
                            "--llama-cpp-pkg", str(tmp_path)], cwd=PROJECT_ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert proc.stderr.splitlines() == [f"pyllama-moe routes: error: {expected}"]  # one line, no traceback
+    # one line, no traceback, naming the argument: the header is read while the arguments are
+    assert proc.stderr.splitlines() == [f"pyllama-moe routes: error: argument model: {expected}"]
 
 
 # --- CLI -------------------------------------------------------------------------------------------------
