@@ -1,15 +1,8 @@
 """llama-cpp-python's `Llama` on a pyllama_moe build: experts kept on the host (`--cpu-moe`, `-ncmoe`) and the
-expert cache in its context, in a few lines (README, "From Python"):
-
-    from pyllama_moe import llm
-    moe = llm.use_build("patched", "cuda")   # before llama_cpp is imported: points it at the build's libllama
-    model = llm.moe_llama("model.gguf", n_gpu_layers=99, cpu_moe=True, moe_cache_mib=7800, n_ctx=4096)
-    print(model("The capital of France is", max_tokens=16, temperature=0)["choices"][0]["text"])
-    print(llm.cache_stats(moe, model)["decode"]["hit_rate"])
+expert cache in its context, in a few lines (`use_build` first, then `moe_llama`, then `cache_stats`).
 
 `Llama` has no argument for llama.cpp's tensor buffer overrides, which is how `--cpu-moe` keeps experts on the
-host, so `moe_llama` hands them to the model's parameters while it builds the `Llama` (the overrides live as long
-as the object). The cache budget is the process default of llama-moe.h for the moment its context is made.
+host, so `moe_llama` hands them to the model's parameters itself. The example and each argument: docs/python.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """`pyllama-moe first-tokens`: how fast the first tokens after a prompt decode against the steady rate, per setting.
 
-The target: the first 16 tokens decoded after a 4096-token prompt within 10% of the steady rate with the
-expert cache's seeding on, and reported with it off. One paced driver (tools/paced-bench) per setting, all loaded at
-once in a round; each repetition runs, for each setting in turn: `moe-cache-reset` (a fresh cache, as a new process
-has: else the last repetition's decode would have warmed it), `pp P` (the prompt), `tg-more F` (the first F tokens
-after it), `tg-more W` (decode on to the steady state, not counted) and `tg-more F` again (the steady F tokens). The
-ratio first / steady pairs the two within a repetition, seconds apart in one process; the interval is over rounds
-(a process per round), as `bench`'s are. Beside it: the time of each chunk's first token (after the prompt: the
-first decode graph) and, on a build with the expert cache, its decode hit rate over each chunk
-(`moe-cache-counters` before and after).
+One paced driver (tools/paced-bench) per setting; each repetition resets the cache, decodes the prompt, then the
+first and (after a warm-up stretch) the steady tokens, so the ratio first / steady pairs two chunks seconds apart in
+one process, and the interval is over rounds as bench's is. See docs/benchmarks.md, "`first-tokens`".
 """
 
 from __future__ import annotations

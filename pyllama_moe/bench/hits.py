@@ -1,16 +1,8 @@
-"""The expert cache's hit rates beside bench rows.
+"""The expert cache's hit rates beside bench rows: a decode row with the cache on says little without its hit rate.
 
-A decode row with the cache on says little without its hit rate: the rate follows the routing, the budget and how
-warm the cache is. The patched llama-bench reports, per repetition, the decode hit rate over the cached layers and
-per layer (`samples_moe_cache_hit_rate`, `samples_moe_cache_layer_hit_rates`; prompt steps are not counted); a row's
-rate here is the mean over the repetitions its timing keeps, per side, so a speed and its hit rate come from the
-same repetitions. Each repetition of a decode test looks up as many experts per layer as any other (the same number
-of one-token steps, top-k each), so the mean of the repetitions' rates is the rate of their pooled lookups. The
-first repetition of each process (a fresh context: its cache empty but for llama-bench's one-token warm-up run) is
-reported apart as the cold rate.
-
-Beside the rates, the bytes the decode steps uploaded from the host per repetition (`samples_moe_cache_upload_bytes`:
-the misses' experts, what crosses PCIe), divided by the test's generated tokens: the bytes over PCIe per token.
+A row's rate is the mean over the repetitions its timing keeps, so a speed and its rate come from the same
+repetitions; each process's first repetition is reported apart as the cold rate, and the uploaded bytes per token
+beside. See docs/benchmarks.md, "Hit-rate columns".
 """
 
 from __future__ import annotations

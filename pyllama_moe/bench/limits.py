@@ -1,16 +1,8 @@
-"""What a bench row is measured against: another row of the same run, or the PCIe bound of its host weights.
+"""What a bench row is measured against: another row of the same run (`--limit-row`, `--limit-from baseline`), or
+the PCIe bound of its host weights (`--pcie-bound`).
 
-- `--limit-row n_cpu_moe=0`: each row's limit is the row of the same run whose settings are equal except
-  that field (here: every weight on the GPU). The share is computed per invocation (row and limit come from
-  the same llama-bench process, so they share its placement) and gets an interval like a ratio does.
-- `--limit-from baseline`: the candidate's rows against the baseline's limit row instead of its own, paired by round
-  (one process each, alternated as the ratios are): e.g. the patched build's cache at `-ncmoe 48` against master's
-  static `-ncmoe 24`, the same bytes on the GPU placed by layer, with `--limit-row n_cpu_moe=24`. The baseline's
-  share stays its own.
-- `--pcie-bound`: a prompt row whose host weights are uploaded for every ubatch cannot beat
-  n_prompt / (ubatches * host bytes / pinned host-to-device bandwidth). The bandwidth is measured in the same
-  run by `llama-moe-copy-probe` (built with patched builds), the host bytes are read from the GGUF's tensor
-  directory for the row's `-ncmoe` / `-ngl`.
+A share is computed per llama-bench process, whose row and limit share its placement, and gets an interval as a
+ratio does. See docs/benchmarks.md, "Limit rows and the PCIe bound".
 """
 
 from __future__ import annotations

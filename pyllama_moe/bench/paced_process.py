@@ -1,13 +1,8 @@
 """Paced benchmark processes: a model loaded once per build, one repetition measured per command.
 
-A llama-bench process spends most of its life loading the model (about 10 s for a 17 GB model with
-`-lm none` on the GPU machine, for about 7 s of measurement). `tools/paced-bench/llama-moe-paced-bench.cpp`
-loads the model and a context once, says `ready`, and then times one llama-bench style repetition (`pp`, `tg`,
-`pp N`, `tg N`) per line on stdin, answering one JSON line each. With a process of each build loaded side by
-side, an A/B run can alternate repetitions (A B B A ...) without reloading.
-
-The driver uses only the public llama.h / ggml API, so it compiles against master and patched builds alike;
-`ensure_tool` compiles it once per build directory and source content.
+A llama-bench process spends most of its life loading the model; the driver (tools/paced-bench) loads it once and
+then answers one JSON line per repetition asked for on stdin, so an A/B run can alternate builds without
+reloading. The protocol and why: docs/benchmarks.md, "Paced mode".
 """
 
 from __future__ import annotations

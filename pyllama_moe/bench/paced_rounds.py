@@ -1,12 +1,8 @@
 """`pyllama-moe bench --paced`: rounds in which both builds stay loaded and their repetitions alternate.
 
-With llama-bench, every round starts one process per build, and on the GPU machine a process spends ~10 s
-loading the 17 GB model with `-lm none` for ~7 s of decode: most of a run is loading, and the two builds'
-repetitions are 17 s apart, long enough for the machine to drift between them. Paced rounds start both
-builds' drivers (`tools/paced-bench`, compiled against each build) at once, let them load in parallel, warm
-each up as llama-bench does, then ask them for repetitions in turn, A B B A ..., a few seconds apart. A round
-still ends with both processes: a process's placement (which memory, which cores) is part of the noise, so
-the interval keeps pairing rounds, never repetitions (`pyllama_moe.bench.stats`).
+Both builds' drivers load at once, so their repetitions are seconds apart instead of a model load apart; a round
+still ends with both processes, because a process's placement is part of the noise and the interval pairs rounds
+(`pyllama_moe.bench.stats`). See docs/benchmarks.md, "Paced mode".
 """
 
 from __future__ import annotations
@@ -66,14 +62,9 @@ DEFAULT_CHUNK = 16  # tokens per tg-more: ~0.4 s at 40 t/s, below the seconds ov
 
 
 def _turns(order: tuple[str, ...], rep: int, chunked: bool) -> tuple[str, ...]:
-    """Which build runs first in one step of repetition `rep`. Whole repetitions alternate A B, B A, A B, ...:
-    a steady drift over the round favours neither. Chunks alternate strictly, A B A B ..., so that every chunk
-    runs right after a chunk of the other build: with A B B A chunks, a build's chunk sometimes ran right after
-    its own (its data still in the CPU caches), the second build of the round twice as often as the first; on
-    the GPU machine the candidate's ratio was 0.6-0.9% higher in rounds where it ran second than in rounds
-    where it ran first, in all three tg128 runs that results/benchmark-statistics.md records. Which build
-    leads still alternates by round (bench's ABBA order), and a target stops a run only after an even number of
-    rounds, so what is left of an order effect cancels."""
+    """Which build runs first in one step of repetition `rep`: whole repetitions alternate A B, B A, ..., chunks
+    alternate strictly A B A B, so that no chunk runs right after one of its own build (with A B B A chunks the
+    second build read faster: docs/benchmarks.md, "Paced mode", "The order of the turns")."""
     return order if chunked or rep % 2 == 0 else order[::-1]
 
 

@@ -1,15 +1,9 @@
 """`pyllama-moe bench`: A/B llama-bench of two builds on one model, as paired rounds with confidence intervals.
 
-A round runs llama-bench once per build, back to back (baseline first in even rounds, candidate first in odd
-ones: ABBA order, so a linear drift of the machine favours neither build), each with a few repetitions
-(`-r REPS`). The first `discard` repetitions of every invocation are warm-up and are dropped: on the GPU
-machine the first repetition after llama-bench's own warm-up run is still 2-15% slow. The rest of an
-invocation is averaged into one block mean, and per test the ratio candidate/baseline and its interval come
-from the rounds' pairs of block means (`pyllama_moe.bench.stats`, which says why the invocation is the unit).
-
-Short rounds repeated often beat long rounds: with `target_ci` the rounds go on until every test's interval
-is at most +/- target_ci, or the time budget is spent; rows that did not get there are named. Absolute numbers
-only mean something on the GPU machine.
+A round runs llama-bench once per build, in ABBA order so that a linear drift favours neither; each run's first
+`discard` repetitions are warm-up, the rest one block mean, and the interval comes from the rounds' pairs
+(`pyllama_moe.bench.stats`). With `target_ci` rounds go on until every interval is narrow enough or the time is
+spent. See docs/benchmarks.md, "`bench`: paired rounds" and "The stopping rule".
 """
 
 from __future__ import annotations
@@ -39,10 +33,8 @@ TEST_FIELDS = ("n_prompt", "n_gen", "n_depth", "n_batch", "n_ubatch", "n_gpu_lay
 # pair across the builds by those), so one bench measures one value of each
 PATCHED_ONLY_DIMENSIONS = ("-mcm", "--moe-cache-mib", "-pf", "--sched-prefetch", "-pfd", "--sched-prefetch-depth",
                            "-pfs", "--sched-prefetch-staging")
-# rounds before an interval may stop a run: stopping as soon as an interval is narrow favours runs whose
-# spread came out small by chance, and with few rounds that is common (simulated: with 3-5 rounds and a
-# per-round spread equal to the target, "converged" intervals covered 84% instead of 95%; 5 rounds keep the
-# loss to a few points, docs/benchmarks.md)
+# rounds before an interval may stop a run: stopping as soon as an interval is narrow favours runs whose spread
+# came out small by chance, common with few rounds (docs/benchmarks.md, "The stopping rule")
 MIN_ROUNDS_FOR_TARGET = 5
 
 

@@ -1,17 +1,9 @@
 """Statistics of A/B benchmarks: a ratio with a confidence interval from paired, interleaved blocks.
 
-The unit of a benchmark sample is one llama-bench process (an "invocation"), not one repetition inside it:
-on the GPU machine, repetitions of one process agree to a fraction of a percent while two processes of the
-same build differ by 2-4% (where the process's memory and threads land), so repetitions are not independent
-and treating them as such gives intervals that are far too narrow. Each round runs one invocation of each
-build, back to back; the block mean of an invocation is the mean of its kept repetitions (the first ones are
-warm-up and are dropped).
-
-Method: the paired t-interval on log ratios. Per round i, d_i = ln(candidate_i / baseline_i); the estimate is
-exp(mean d) and the interval exp(mean d -/+ t_{(1+c)/2, n-1} * sd(d) / sqrt(n)). Pairing adjacent invocations
-cancels slow drift of the machine that both builds see; logs make the interval symmetric in ratio terms
-(a 3% loss and a 3% gain are equally far from 1.0). The t quantile, not a bootstrap, because the useful
-number of rounds is small (5-15), where a bootstrap's intervals are too narrow.
+The unit is one llama-bench process, not a repetition: repetitions of one process agree far better than two
+processes do, so counting them as independent gives intervals far too narrow. The method is the paired t-interval
+on log ratios, exp(mean d -/+ t * sd(d) / sqrt(n)) with d_i = ln(candidate_i / baseline_i). Why pairs, logs and
+the t quantile: docs/benchmarks.md, "The ratio and its 95% interval".
 """
 
 from __future__ import annotations

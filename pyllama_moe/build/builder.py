@@ -1,10 +1,8 @@
 """Builds: cmake + ninja over a prepared tree, in a directory named by the build key.
 
-The key is a hash of everything that goes into the build: the pinned source, the variant, the backend, the
-cmake options, the compiler identities and (for patched) the patch inputs. A build directory carries
-`pyllama-moe-stamp.json` with its key and the targets built; the stamp is written last, atomically, so a
-directory without one (a failed or interrupted build) is never taken for a good one. A failed build touches
-no other directory.
+The key hashes everything that goes into the build, and the stamp is written last, atomically, so a directory
+without one (a failed or interrupted build) is never taken for a good one. See docs/builds.md, "Build keys and
+stamps".
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """`pyllama-moe compare`: run the identity matrix, baseline build against candidate build, cell by cell.
 
-Per cell: all-position logits of a prompt (raw f32, sha256 first; on a mismatch the first differing
-position, max-abs, mean KLD and top-1 agreement), perplexity from llama-perplexity (per-chunk and final
-values; on a mismatch llama-perplexity's KL-divergence mode for diagnostics), and greedy text. On a GPU-like
-device (SIM, CUDA) with host experts loaded with mmap, the candidate must also have page-locked every one of
-them in place (`pinned`), not fallen back to a copy; under a pin budget, no more than the budget holds.
-A cell passes when what it computed matches its `expect`; a CUDA cell on a machine without a GPU is
-deferred, never passed; a run where no cell passed fails.
+A cell passes when what it computed (logits, perplexity, text, and the checks that the candidate really took its
+pinned, prefetch and cache paths) matches its `expect`; a CUDA cell without a GPU is deferred, never passed, and a
+run where no cell passed fails. The checks and outcomes: docs/identity.md.
 """
 
 from __future__ import annotations
@@ -310,12 +306,9 @@ def _float_or_none(text: str | None) -> float | None:
 
 
 def pin_check(log: str, budget_mib: float | None = None) -> Check:
-    """Every host expert the device uploads from the mapped file was page-locked in place: the line that says so,
-    and no other (a partial registration, a copy or a refusal has its own words). With a split GGUF, a range
-    merged across two shards' mappings spanned a hole and every expert fell back to a copy.
-    Under a pin budget (the pin-budget knob), no more than the budget is page-locked: part of the ranges, none
-    where the first range alone is larger (glm4moe's with `-ngl 2`), or all of them where they fit in it (the
-    3.41 MiB range of qwen3moe's two host layers under 4 MiB, which the first CUDA run of the knob flagged)."""
+    """Every host expert the device uploads from the mapped file was page-locked in place: the line that says so, and
+    no other. Under a pin budget (budget_mib), no more than the budget is page-locked. The cases and why:
+    docs/identity.md, "What a cell compares"."""
     lines = [line[line.index("llama_moe: "):] for line in log.splitlines()
              if "llama_moe: " in line and "expert cache" not in line]  # the cache's lines are cache_check's
     line = lines[0] if len(lines) == 1 else ""
@@ -346,18 +339,8 @@ def filled_whole_layers(log: str) -> int:
 
 
 def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None, decode_reads: bool = True) -> Check:
-    """The expert cache really took its path, by the context's summary at its end (banks made on which devices,
-    with how many slots per layer).
-
-    A cache with fewer slots than experts (the cells' budget evicts every token): decode steps planned with misses,
-    so the text was computed from the banks; and where prompt ubatches uploaded ahead, the cache staged their
-    experts and made some resident, reading residents from the banks from the second such ubatch on.
-
-    A cache with a slot per expert (whole): layers read in place; filled whole when made, no prompt ubatch had an
-    expert left to make resident; filled as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), once every expert is resident, and
-    where a prompt ubatch uploaded ahead it made experts resident. (Decode may still miss: on two devices op offload
-    may stage a layer on the other device than its banks, whose prompt fills then go from the host and admit
-    nothing.) Only a device with a slot per expert in some layer may read layers in place.
+    """The expert cache really took its path, by the context's summary at its end (banks made on which devices, with
+    how many slots per layer): what a partial and a whole cache must show is in docs/identity.md, "The cache check".
 
     want_device: decode looks its slots up on every device (True: the default where the backend has the lookup ops),
     or plans on the host there (False: LLAMA_MOE_CACHE_DEVICE=0); None: either. decode_reads False: no decode step read

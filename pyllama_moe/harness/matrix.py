@@ -1,12 +1,7 @@
 """The identity matrix: cells read from a TOML file in ci/, expanded from axes, with named subsets.
 
-A file has `[models.NAME]` (how to synthesise each model), `[axes]` (the columns: each a list of values),
-`[defaults]` (options every cell starts from), `[subsets.NAME]` (`pairwise = true`: a small set of cells
-that covers every pair of values of every two axes at least once; or `where = {axis = [values]}` to filter
-the product), `[[cells]]` (extra cells outside the product, e.g. of a model only a few columns need) and
-`[[controls]]` (extra cells that are negative controls, which must be reported as mismatches). An extra cell
-belongs to every subset whose filter it matches.
-Every option of a cell is checked: an unknown name or value is an error naming the file and the cell.
+Every option of a cell is checked, so that a typo in the matrix is an error naming the file and the cell rather
+than a cell that silently tests something else. The file's tables: docs/identity.md, "The matrix file".
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Synthetic models and corpora the harness and benchmarks use, made once per definition and cached.
 
-A definition is the dict of `pyllama-moe synth` options (arch, preset, type, seed, skew, overrides); the file
-name is a hash of it, and a file is renamed into place only after the writer finished.
-
-`split = N` in a definition makes a split GGUF: the model of the other options, cut into N shards by
-llama.cpp's own `llama-gguf-split` (of a build passed in), so the shards are laid out exactly as the tool users
-split real models with lays them out; the model is the first shard's path (`NAME-00001-of-0000N.gguf`, the name
-llama.cpp finds the others by), in a directory of its own renamed into place once every shard is written.
+The file name is a hash of the definition, and a file (or a split model's folder of shards, cut by llama.cpp's
+own llama-gguf-split) is renamed into place only once whole. See docs/synthetic-models.md, "Models the harness and
+benchmarks make".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The verb `server-soak`: llama-server with the expert cache on, under concurrent load, checked for drift.
 
-One patched llama-server (loopback only) with its experts on the host (`-cmoe`), the expert cache at a quarter of
-the expert bytes, several slots and a LoRA adapter. A fixed probe set (greedy, with the log-probabilities of the
-top tokens) is sent one request at a time before the soak, in the soak's pauses and after it; every round must
-return the same bytes as the first. In between, client threads send prompts of seeded random lengths (some
-continuing their previous prompt, so a slot computes only the new tokens) with random sampler settings. A new
-adapter scale, global (POST /lora-adapters) or per request ("lora"), and a sampler chain run on the device
-("backend_sampling") each make the context reserve its graphs again, so the cache is planned again while other
-slots keep decoding. Requests and time are bounded; errors must be 0, the server must be alive at the end and
-exit cleanly, and its memory (anonymous RSS, and VRAM where nvidia-smi is present) must stay within a stated
-growth after the first pause.
-`--compare-all-gpu` also sends the probe set to a server with every weight on the GPU and checks equality only
-for the probes whose every graph docs/cache-paths.md says computes the bytes of all on the GPU.
-
-Before each probe round every slot is erased, so a probe's KV cells and its attention's extent are those of
-the first round: what may differ between rounds is then the expert cache's state, which must not show in the
-bytes.
+A fixed greedy probe set, resent between stretches of random concurrent requests that make the cache be planned
+again (new adapter scales, device samplers), must return the same bytes every round: the cache's state must never
+show in the output. Slots are erased before each probe round so that only the cache's state can differ. The
+setup, the checks and `--compare-all-gpu`: docs/cli.md, "`server-soak`".
 """
 
 from __future__ import annotations

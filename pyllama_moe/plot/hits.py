@@ -1,16 +1,8 @@
 """`pyllama-moe plot --hit-rates`: the expert cache's decode hit rate per layer, from `pyllama-moe bench --json`
-files whose rows carry one (`bench/hits.py`: a patched llama-bench with the cache on).
+files whose rows carry one (`bench/hits.py`), or a patched llama-bench's own `-o json`.
 
-One line per file, row and side with a cache, the layer index on x and the hit rate on y, the row's overall rate
-in its legend entry. The layers of a model route alike, so a flat line is what an equal share of slots per layer
-gives; a layer that sags is one that routes more widely (or has fewer slots) and is where a budget helps most.
-
-Where the rows also say what their decode steps uploaded (`upload_bytes_per_token`: the misses' experts), a second
-panel draws the bytes over PCIe per generated token, a bar per row and side: what the hit rate costs in transfers.
-
-A file may also be a patched llama-bench's own `-o json` output, e.g. a sweep of the cache budget (`-mcm`, a dimension
-of the patched build alone, which one `bench` run measures at one value): a row per record, labelled with its budget,
-its rates and bytes the mean over its repetitions after the first (the first runs on a cache only the warm-up filled).
+A layer whose line sags routes more widely and is where a budget helps most; a second panel shows what the rates
+cost in bytes over PCIe per token. See docs/benchmarks.md, "`plot`", "Hit rates".
 """
 
 from __future__ import annotations

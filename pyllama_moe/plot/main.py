@@ -1,14 +1,8 @@
 """`pyllama-moe plot`: a picture of `pyllama-moe bench` results (the JSON of `--json`), drawn with matplotlib.
 
-One row per test, tests of several files stacked in the order given. Left panel: the medians of both builds
-as bars (t/s). Right panel: the ratio candidate/baseline with its interval (a forest plot) against a dashed
-line at 1.0; a point whose interval excludes 1.0 is filled, one whose interval includes it (or that has no
-interval) is hollow. Files of schema 1 (before intervals) still plot, without error bars.
-
-`--samples` draws every sample of one run; `--sweep FIELD` one number per test against a setting
-(`pyllama_moe.plot.sweep`); `--hit-rates` the expert cache's hit rate per layer and, where the rows say it, the bytes
-over PCIe per generated token (`pyllama_moe.plot.hits`); `--profile FILE` an expert cache profile as a heat map
-(`pyllama_moe.plot.profile`). The output format follows the suffix of -o (.svg, .png, .pdf).
+The default is the medians beside a forest plot of the ratios, and `--samples` is drawn here too; `--sweep`,
+`--hit-rates` and `--profile` are in sweep.py, hits.py and profile.py. What each picture shows and how to read it:
+docs/benchmarks.md, "`plot`".
 """
 
 from __future__ import annotations

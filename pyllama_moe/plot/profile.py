@@ -1,13 +1,8 @@
 """Expert cache profiles: the GGUF file that a patched build writes with --moe-cache-profile FILE
-(LLAMA_MOE_CACHE_PROFILE), read with the `gguf` package.
+(LLAMA_MOE_CACHE_PROFILE), read with the `gguf` package for `profile show` and `plot --profile`.
 
-The file (native/src/llama-moe-cache-profile.h, version 1): keys `pyllama_moe.profile.*` (format, version, arch,
-n_layer, n_expert, n_expert_used, router_hash, n_runs) and two I32 tensors of numpy shape (n_layer, n_expert):
-`decode`, per layer and expert the decode lookups that routed to it (each distinct expert once per lookup), and
-`prompt`, the routed tokens of the prompt ubatches that seeded the layer. Layers without a cache are all zero.
-
-`pyllama-moe profile show FILE` prints per layer the routings and the top experts with their share;
-`pyllama-moe plot --profile FILE -o heat.png` draws the decode counts as a heat map (layers x experts).
+The file's keys and its `decode` and `prompt` count tensors (numpy shape (n_layer, n_expert)) are described in
+docs/expert-cache.md, "Profiles"; native/src/llama-moe-cache-profile.h writes them.
 """
 
 from __future__ import annotations

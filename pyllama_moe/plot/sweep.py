@@ -1,14 +1,8 @@
-"""`pyllama-moe plot --sweep FIELD`: one number of each test against a setting, e.g. the ratio against the
-ubatch size (where uploading whole experts ahead starts to beat copying the routed ones) or the candidate's
-share of its limit row against a staging budget (where the curve goes flat).
+"""`pyllama-moe plot --sweep FIELD`: one number of each test against a setting, e.g. the ratio against the ubatch
+size, to see where a curve crosses 1.0 or goes flat.
 
-A series is the tests of one file that agree on every setting but FIELD; it is drawn as a line through its
-points, with the interval as error bars where the file has one. FIELD is a llama-bench field of the test's key
-(`n_ubatch`, `n_cpu_moe`, ... or a column a build adds); its values must be numbers.
-
-A file may also be llama-bench's own `-o json` output (a list of records, one build, e.g. a sweep of a knob only
-the patched build has): each record is a test keyed by its settings, and only `--sweep-y ts` applies, the median
-of its samples with their range as the bar.
+A series is the tests of one file that agree on every setting but FIELD; llama-bench's own `-o json` is read too.
+See docs/benchmarks.md, "`plot`", "Sweeps".
 """
 
 from __future__ import annotations

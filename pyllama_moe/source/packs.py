@@ -1,10 +1,8 @@
 """Pruned source archives for machines with no package registry and maybe no git (the GPU machine).
 
-`pack` writes the prepared tree of a variant (patches applied for `patched`), minus what no build needs,
-as a tar.gz with `pyllama-moe-manifest.json`: the sha256 of every file, and for each file that came from
-the sdist unchanged, proof that its hash is the one recorded from the verified sdist. `unpack` checks the
-archive against its manifest (no file missing, extra or altered) and against this checkout (same pin, and
-for `patched` the same patch inputs) before any build uses it.
+The manifest holds every file's sha256, and for the sdist's unchanged files proof that it is the verified sdist's,
+so `unpack` can refuse an altered archive, or one of another pin or series, before any build uses it. See
+docs/builds.md, "Source archives: `source pack`".
 """
 
 from __future__ import annotations

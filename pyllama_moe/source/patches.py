@@ -1,14 +1,8 @@
 """The patch series: apply it, export it back to files, check that the files are current.
 
-`patches/series` lists the patch files in order ('#' starts a comment). Each patch is a `git format-patch`
-mail whose body says why it exists and ends with the trailers `Reason:` and `Logits-Neutral:`.
-
-- apply:  a scratch git repo holding the pinned tree (commit tagged `base`), one commit per patch, and the
-          files of `native/` copied over it (ignored by git, so they never leak into a patch).
-- export: regenerate `patches/*.patch` and `patches/series` from the commits after `base`, with flags that
-          make the output depend only on the change (zero commit ids, full index, no signature, no stat).
-- check:  apply the series to a minimal repo, export it again and compare byte for byte; fail naming each
-          patch that no longer applies (and the file) or whose file would change.
+Export flags make a patch file depend only on its change, so `check` can compare byte for byte and name each
+patch that no longer applies or would change. The series, its mail format and the three operations:
+docs/builds.md, "The patch series".
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Synthetic Mixture-of-Experts models for benchmarking llama.cpp without real weights.
+"""Synthetic Mixture-of-Experts models, so that llama.cpp can be benchmarked and checked without real weights.
 
-    shapes     presets (tiny, small, qwen3-30b-a3b, glm-4.5-air, gpt-oss-tiny, gpt-oss-20b) and overrides
-               -> ModelShape (qwen3moe, glm4moe, gpt-oss: per-expert biases, attention sinks, sliding window)
-    tokenizer  a deterministic SPM ("llama") vocabulary of pronounceable, prefix-closed pseudo-words
-    quant      random Q4_0/Q8_0/F16/F32 tensors generated directly in their on-disk encoding
-    tensors    the tensor list per architecture and the weight statistics that keep routing realistic
-    writer     streams a model to GGUF (gguf package for header/metadata, raw chunks for the data)
-    corpus     Zipf-distributed text in a model's vocabulary
-    routes     per-layer expert-routing histogram measured with the real llama.cpp (child process:
-               probe.py runs pyllama_moe.worker's "routes" mode)
-
-The `synth`, `corpus` and `routes` verbs live in pyllama_moe/cli/synth.py.
+What each module does, and why the weights look as they do: docs/synthetic-models.md. The `synth`, `corpus` and
+`routes` verbs live in pyllama_moe/cli/synth.py.
 """
 
 from pyllama_moe.synth.corpus import corpus_from_model, generate_corpus, vocab_words

@@ -1,11 +1,6 @@
-"""Synthetic text for perplexity runs: Zipf-distributed words from a model's own vocabulary.
-
-Words are the vocabulary's "space + letters" tokens (`▁word` for SPM vocabs, `Ġword` for GPT-2 style BPE),
-ranked most frequent first (by score for SPM, by id for BPE, whose ids follow merge order), and drawn with
-Zipf-Mandelbrot frequencies p(rank) ~ 1 / (rank + 2.7)^1.1, like word counts in natural text. They are joined
-into lowercase sentences (4-18 words, an occasional comma, ending in . ? or !) and paragraphs of 2-7
-sentences, one per line. With the synthetic tokenizer every word is exactly one token, so `n_tokens` is met
-closely; for other vocabularies it is an estimate.
+"""Synthetic text for perplexity runs: Zipf-distributed words from a model's own vocabulary, so that with the
+synthetic tokenizer every word is one token and the requested size is met closely. See docs/synthetic-models.md,
+"The corpus".
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""Read a GGUF file's metadata and tensor directory, and check that the file is whole.
+"""Read a GGUF file's metadata and tensor directory, and check that the file is whole (every problem a UserError).
 
-This reads only the header (metadata + directory), never tensor data, so it is quick on a 20 GB model. It
-checks what llama.cpp would otherwise trip over later, and less helpfully: the magic and version, every length
-field, known tensor types, and that every tensor's bytes lie inside the file (a truncated download or an
-interrupted write). Every problem is a UserError naming the file.
-
-Why not `gguf.GGUFReader` (used where a file's tensor data is wanted: profile.py, the tests): it builds a numpy
-view for every element of every metadata array, three per vocabulary entry, so it is slow on real models, and
-this runs before every llama.cpp run. Measured on a busy 2-core box, best of 5, this against GGUFReader(): the
-small preset with a Qwen3-sized vocabulary (`synth --preset small --vocab 151936`, 287 MB) 87 ms against 5.7 s;
-a 17 GB file of qwen3-30b-a3b's shape (32k vocabulary, 579 tensors) 21 ms against 1.0 s (and 38 against 119 MB
-of peak RSS); the tiny preset 2.6 ms against 0.12 s. Its np.memmap of the whole file is lazy, so the size of
-the data costs nothing; the metadata does. And its constructor makes a view of each tensor's data, so a file
-cut short inside the data fails with a bare numpy "cannot reshape" error: no header for the callers that pass
-check_data=False, and no name of the cut tensor. The gguf package still supplies the constants here: value and
-tensor types, block sizes, magic, versions, default alignment; tests/test_synth.py checks that both readers
-find the same keys, values, tensors and offsets.
+Our own reader rather than `gguf.GGUFReader`: this runs before every llama.cpp run, and GGUFReader takes seconds on
+a real vocabulary (a numpy view per metadata array element) and fails on a cut-short file with a bare numpy error.
+The timings: docs/synthetic-models.md, "Reading a GGUF header"; tests/test_synth.py checks both readers agree.
 """
 
 from __future__ import annotations

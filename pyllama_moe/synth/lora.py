@@ -1,15 +1,7 @@
 """A synthetic LoRA adapter for a (synthetic) model, in llama.cpp's GGUF adapter format.
 
-llama.cpp's loader (src/llama-adapter.cpp) wants `general.type = "adapter"`, `general.architecture` equal to the
-model's, `adapter.type = "lora"`, `adapter.lora.alpha`, and for every adapted weight `W` (ggml shape
-[n_in, n_out]) a pair `W.lora_a` [n_in, r] and `W.lora_b` [r, n_out]; a layer computes
-`W x + scale * alpha / r * B (A x)`, `scale` being the one given with `--lora` or set per request.
-
-The pair is random F32 with the stream's statistics in mind (see tensors.py): `A` ignores coordinate 0 (the
-massive activation that every token shares, which would otherwise add one direction to every token) and is
-scaled so that `A x` is about N(0, 1); `B` is scaled so that at scale 1 the adapter adds `strength` of the
-base projection's RMS. Large enough that a change of scale changes the greedy tokens, small enough that the
-model stays token-dependent.
+Its scale is chosen so that a change of adapter scale changes the greedy tokens while the model stays
+token-dependent. The format and the statistics: docs/synthetic-models.md, "LoRA adapters".
 """
 
 from __future__ import annotations

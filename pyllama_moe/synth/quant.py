@@ -1,13 +1,8 @@
-"""Random tensors generated directly in their on-disk GGUF encoding, a slice of rows at a time.
+"""Random tensors generated directly in their on-disk GGUF encoding, a slice of rows at a time: quantizing float
+weights would cost far more than writing them.
 
-Quantizing float weights would cost far more than writing them. Instead each Q4_0/Q8_0 block gets uniformly
-random codes (straight from the bit generator) and an f16 scale picked so the dequantized weights have the
-intended standard deviation. The codes of both formats are lopsided (Q4_0 stores 0..15 for -8..7, Q8_0
--128..127), which would give every weight a mean of -0.5*d and every matrix a shared bias direction; a random
-sign on each block's scale cancels that. The scales also get a +-25% jitter so blocks are not all alike.
-
-Each chunk of rows is seeded from (seed, tensor name, chunk index) alone, so a tensor's bytes do not depend on
-which other tensors the model has, on the thread count, or on the order chunks are computed in.
+Block scales get a random sign (the codes are lopsided), and each chunk is seeded from (seed, tensor name, chunk)
+alone so that the bytes do not depend on threads or order. See docs/synthetic-models.md, "Quantized tensors".
 """
 
 from __future__ import annotations

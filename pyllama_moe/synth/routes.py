@@ -1,9 +1,6 @@
-"""Per-layer expert routing histogram of a model, measured with the real llama.cpp.
-
-The decode runs in a child process (pyllama_moe/worker/mode_routes.py, started by probe.py); this module checks
-the inputs, summarises the counts and formats the table. "Top-10% share" is the fraction of all expert
-selections in a layer that went to the most popular ceil(10%) of its experts: ~0.13 for uniform random routing
-with 128 experts / top-8 / 512 tokens, 1.0 when a layer always picks the same few.
+"""Per-layer expert routing histogram of a model, measured with the real llama.cpp in a child process
+(pyllama_moe/worker/mode_routes.py, started by probe.py); this module checks the inputs, summarises the counts
+and formats the table. "Top-10% share": docs/synthetic-models.md, "Routes".
 """
 
 from __future__ import annotations

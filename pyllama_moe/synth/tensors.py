@@ -1,40 +1,9 @@
 """Which tensors each architecture needs, and the weight statistics that make routing behave like a real model.
 
-Random weights left to themselves make MoE routing collapse onto a few experts in deep layers: whatever every
-token has in common (a bias direction, a mean) is amplified layer after layer until the router sees the same
-input for every token. The recipe here keeps the residual stream token-dependent and puts the only shared
-component exactly where we want it:
-
-* The token embedding is big (std EMBD_STD) and every sublayer adds a perturbation of about `residual_scale`
-  of it (RMS): matrices that read the normalised stream are scaled so their outputs are ~N(0, 1), and the
-  output projections (attn_output, ffn_down*) are scaled for the target, allowing for how much attention
-  mixing and the weighted sum over the top-k experts shrink things. After 48 layers at 0.1 the last layer's
-  stream still has cosine ~0.75 with the first layer's: the token identity stays visible, and what the
-  layers add depends on the token too.
-* Attention is peaky (q and k gain QK_GAIN), as in trained models; a flat average over all positions would
-  cancel out to nothing.
-* Coordinate 0 of the residual stream is a "massive activation", the same large constant in every token
-  embedding (real LLMs have such dimensions). Every matrix that reads the stream ignores it (its weight 0 is
-  zero) and every matrix that writes the stream leaves it alone (its row 0 is zero), so it stays constant
-  through all layers and leaks into nothing -- except the routers.
-* Each MoE layer has its own random router. Columns 1.. give token-dependent logits of std ~1 (scaled per
-  layer for the expected growth of the stream). Column 0 reads the massive activation, so `router[e, 0]` is
-  effectively a per-expert bias: `skew * z_e` in units of the token-dependent spread, with z_e drawn per
-  layer from a centred, standardised exponential distribution (a few experts far more popular than the
-  rest). skew = 0 makes column 0 zero: popularity is uniform. With 128 experts / top-8 / 512 tokens the
-  top-10% of experts get ~14% of the selections at skew 0, ~47% at skew 0.5 (measured, results/synthetic-models.md).
-* Q4_0/Q8_0 codes get random-signed scales (see quant.py) so no matrix has a mean, the SwiGLU experts have
-  zero-mean outputs by symmetry, and glm4moe's v bias is zero, so no layer adds a shared direction by
-  accident. (glm4moe's exp_probs_b is nearly zero for the same reason: skew comes from the router only.)
-* gpt-oss's experts have biases, and they are what its model is for (device copies of per-expert tensors):
-  the gate and up biases shift each expert's pre-activations by EXPERT_BIAS_STD (in units of their
-  token-dependent spread), the down bias is a per-expert vector carrying DOWN_BIAS_SHARE of an expert's output
-  (element 0 zero: the massive coordinate stays constant), so leaving any of them out changes every logit.
-  Its activation (SwiGLU-OAI: (clamp(up) + 1) * gate * sigmoid(1.702 gate)) is not zero-mean, so each expert
-  also adds a vector of its own; both kinds differ per expert, and what they share across tokens averages
-  over the experts. The router bias is tiny like exp_probs_b, the attention output and v biases are zero
-  (what passes through attention unchanged would be a shared direction), and the attention sinks are
-  N(0, 1) per head, so they take part of the attention without dominating it.
+Random weights left to themselves make routing collapse onto a few experts in deep layers, so every scale here
+keeps the residual stream token-dependent, and the only shared component (coordinate 0, a "massive activation")
+is read by the routers alone, where it sets the skew. The recipe, item by item: docs/synthetic-models.md,
+"Weight statistics".
 """
 
 from __future__ import annotations

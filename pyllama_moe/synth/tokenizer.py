@@ -1,16 +1,7 @@
 """A deterministic SentencePiece-style ("llama") vocabulary of pronounceable pseudo-words.
 
-Layout, like a real llama SPM vocab: `<unk>`, `<s>`, `</s>`, the 256 byte-fallback tokens `<0x00>`..`<0xFF>`,
-single characters, then word tokens `▁word`, most frequent first.
-
-Why the word set is *prefix-closed* (every prefix of `▁banana` — `▁b`, `▁ba`, `▁ban`, ... — is a token too):
-llama.cpp's SPM tokenizer starts from single characters and repeatedly merges the adjacent pair with the
-best score *whose concatenation is itself a token*. A word can only come out as one token if a chain of such
-merges leads to it. With prefix-closed `▁` tokens and no bare (space-less) multi-character tokens, the only
-possible merges grow each word from its `▁` to the right, so every vocabulary word that appears after a space
-is emitted as exactly one token and nothing ever merges across a word boundary. The words come from a
-left-to-right letter grammar, so the prefixes are pronounceable words themselves. Scores are Zipf log
-frequencies, short words first.
+The word set is prefix-closed, so llama.cpp's SPM merges turn every word after a space into exactly one token and
+never merge across words. Why that follows: docs/synthetic-models.md, "The tokenizer".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Write a synthetic model as GGUF, streaming: at most a few chunks of one tensor are in memory at a time.
 
-The gguf package writes the header, the metadata and the tensor directory; the tensor bytes are then streamed
-straight into the same file in directory order, each tensor padded to the file's alignment exactly as
-`GGUFWriter.write_ti_data_to_file` laid out the offsets. Chunks are generated on a thread pool (numpy's bit
-generators release the GIL) and written in order.
+The gguf package writes the header and directory; the tensor bytes follow, padded as GGUFWriter laid out their
+offsets, generated on a thread pool and written in order. See docs/synthetic-models.md, "Writing".
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Worker mode "logits": the logits of every prompt position and greedy text (harness/runner.py starts it).
 
-Request: "model", "tokens" or "prompt" (+ "max_prompt_tokens"), the placement knobs of model.py, "n_batch",
-"n_ubatch", "threads", "generate", "logits_out" (a .npy path, or None for no logits), "eval_callback", "stats",
-"prefetch", "moe_cache_mib" (a per-context expert cache budget, patched builds), "op_offload" (default true),
-"warm_tokens" (decoded one at a time before the prompt, then forgotten), "lookup_callback" (_LookupWatch),
-"moe_cache_caps" (device name -> MiB, set before the contexts are made, as --fit does), "n_seq_max",
-"prefetch_after_prompt" (prefetch fields set between the prompt and the generation: the next decode reserves),
-"chdir_after_context" (the working directory from when the context is made), "contexts" (N > 1: N contexts on the one
-model decode the prompt and the generation at the same time, one thread each; see _parallel_contexts), "parallel"
-(N > 1: N sequences of one context decode together, one llama_decode of N tokens a step; see _parallel_steps),
-"retry_failed_decode" (N: that many generation steps may fail with -3 and be decoded again; see _greedy).
-Reply: "n_tokens", "n_vocab", "logits_sha256" (with logits_out), "generated", "text", "stats", "lookup_callback",
-"contexts", "decode_retries" (with retry_failed_decode: the positions decoded again).
+harness/runner.py builds the request from a RunSpec. Its fields (the model and its placement, context parameters,
+several contexts or parallel sequences, callbacks, cache and prefetch settings) and the reply's are listed in
+docs/identity.md, "The worker process".
 """
 
 from __future__ import annotations

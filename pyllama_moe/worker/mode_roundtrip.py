@@ -1,11 +1,7 @@
 """Worker mode "roundtrip": a text through llama.cpp's tokenizer and back (synth/probe.py starts it).
 
-Tokenizes the text file (no BOS), turns the tokens back into text with llama_token_to_piece and with
-llama_detokenize, and reports both texts' equality with the input plus token statistics. Only the vocabulary
-is loaded.
-
-Request: "model", "text_file". Reply: "n_chars", "n_tokens", "n_words", "n_vocab", "byte_tokens",
-"distinct_tokens", "pieces_equal", "detokenize_equal", "first_mismatch", "context".
+It reports whether llama_token_to_piece and llama_detokenize each give the input back, which the synthetic
+vocabulary promises; only the vocabulary is loaded. Request and reply: docs/identity.md, "The worker process".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Worker mode "routes": which experts each MoE layer chooses for random tokens (synth/routes.py starts it).
 
-Decodes one sequence of random tokens with logits for every position and captures each MoE layer's
-`ffn_moe_topk-<il>` (chosen experts), `ffn_moe_logits-<il>` (router logits) and `ffn_inp-<il>` (residual
-stream) tensors through the context's cb_eval callback.
-
-Request: "model", the placement knobs of model.py, "ggml_base" (the library with ggml_backend_tensor_get),
-"n_tokens", "seed", "threads", "n_expert". Reply: "n_vocab", "n_tokens", "threads", "layers" (per layer: expert
-"counts", "k", "tokens", router logit statistics, "stream"), "logits" (finite, min, max, std of the output
-logits), "seconds" ("load", "decode").
+It captures each MoE layer's chosen experts, router logits and residual stream through the context's cb_eval
+callback. Request and reply: docs/identity.md, "The worker process".
 """
 
 from __future__ import annotations
