@@ -5,7 +5,7 @@
 # Prepare on the CPU machine (as for prefetch.sh):
 #   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz
 #   pyllama-moe source pack --variant patched -o .work/archives/llama.cpp-patched.tar.gz
-#   cp312 wheels of cffi pycparser gguf diskcache in .whl/ (../shared/docs/gpu-workflow.md)
+#   cp312 wheels of cffi pycparser gguf diskcache tqdm in .whl/ (../shared/docs/gpu-workflow.md)
 # then, carrying .work/archives and .whl, one device call per step:
 #   build     CUDA builds (llama-bench; patched also llama-moe-copy-probe) and the 30B model, detached
 #   study     where decode noise comes from: master against itself, tg128 x pinned threads (STUDY_T)

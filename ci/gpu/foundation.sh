@@ -6,7 +6,7 @@
 # Prepare on the CPU machine (the GPU machine has no registry and maybe no git):
 #   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz
 #   pyllama-moe source pack --variant patched -o .work/archives/llama.cpp-patched.tar.gz
-#   wheels of cffi pycparser gguf diskcache for cp312 in .whl/ (see ../shared/docs/gpu-workflow.md)
+#   wheels of cffi pycparser gguf diskcache tqdm for cp312 in .whl/ (see ../shared/docs/gpu-workflow.md)
 # then run `ci/gpu/foundation.sh build` and `ci/gpu/foundation.sh check` there (carry .work/archives and .whl).
 # Results land in $OUT (or ./gpu-out).
 set -uo pipefail

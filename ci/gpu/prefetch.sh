@@ -6,7 +6,7 @@
 # Prepare on the CPU machine:
 #   pyllama-moe source pack --variant master  -o .work/archives/llama.cpp-master.tar.gz
 #   pyllama-moe source pack --variant patched -o .work/archives/llama.cpp-patched.tar.gz
-#   cp312 wheels of cffi pycparser gguf diskcache in .whl/ (../shared/docs/gpu-workflow.md)
+#   cp312 wheels of cffi pycparser gguf diskcache tqdm in .whl/ (../shared/docs/gpu-workflow.md)
 # then, carrying .work/archives and .whl, run the steps in order, each as one device call:
 #   ci/gpu/prefetch.sh build     builds (detached) + the 30B model; waits for the builds while time allows
 #   ci/gpu/prefetch.sh check     identity cells (subsets gpu, gpu-variants), syncs per token, then the sanitizer
