@@ -10,6 +10,8 @@ process and a crash, a hang or a wrong libllama is reported to the caller instea
     model.py          loading the request's model with its placement knobs (-ngl, --cpu-moe, -ncmoe, load
                       mode, repack), shared by every mode
     mode_logits.py    "logits": logits of every prompt position and greedy text (harness/runner.py, the identity work)
+    fault.py          a planted fault for "logits" (one expert's output in one layer scaled): the divergence harness's
+                      power check
     mode_routes.py    "routes": per-layer expert choices and router statistics (synth/routes.py)
     mode_roundtrip.py "roundtrip": a text through llama.cpp's tokenizer and back (synth corpus tests)
 
