@@ -1,8 +1,9 @@
 """`pyllama-moe compare`: run the identity matrix, baseline build against candidate build, cell by cell.
 
 A cell passes when what it computed (logits, perplexity, text, and the checks that the candidate really took its
-pinned, prefetch and cache paths) matches its `expect`; a CUDA cell without a GPU is deferred, never passed, and a
-run where no cell passed fails. The checks and outcomes: docs/identity.md.
+pinned, prefetch and cache paths) matches its `expect`; a divergence cell is held to the divergence contract
+instead (divergence.py). A CUDA cell without a GPU is deferred, never passed, and a run where no cell passed fails.
+The checks and outcomes: docs/identity.md.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from scipy.special import log_softmax
 from pyllama_moe.bench.limits import uploading_ubatches
 from pyllama_moe.build.builder import Build, resolve
 from pyllama_moe.errors import UserError
-from pyllama_moe.harness import models, runner
-from pyllama_moe.harness.matrix import SIM_DEVICES, Cell, Matrix
+from pyllama_moe.harness import divergence, models, runner
+from pyllama_moe.harness.matrix import DIVERGENCE_EXPECTS, SIM_DEVICES, Cell, Matrix
 from pyllama_moe.progress import say
 from pyllama_moe.source import sdist as source
 from pyllama_moe.source.sdist import Source
+from pyllama_moe.worker.fault import parse_fault
 
 
 @dataclass
@@ -70,8 +72,8 @@ def logit_diagnostics(base: np.ndarray, cand: np.ndarray) -> dict:
 
 def _perplexity_args(cell: Cell, model: Path, corpus: Path, repack: bool, threads: int, place: dict) -> list[str]:
     args = ["-m", str(model), "-f", str(corpus), "-c", str(cell.ppl_ctx), "-b", str(cell.ppl_ctx),
-            "-ub", str(min(cell.ubatch, cell.ppl_ctx)), "--chunks", "2", "-t", str(threads), "--fit", cell.fit,
-            "-lm", cell.load, "--no-warmup"]
+            "-ub", str(min(cell.ubatch, cell.ppl_ctx)), "--chunks", str(PPL_CHUNKS), "-t", str(threads),
+            "--fit", cell.fit, "-lm", cell.load, "--no-warmup"]
     args += ["-ngl", str(place.get("n_gpu_layers", 99))]
     if place.get("cpu_moe"):
         args.append("-cmoe")
@@ -133,6 +135,8 @@ class Harness:
                       load_mode=cell.load, threads=self.threads, generate=cell.generate,
                       max_prompt_tokens=cell.prompt_tokens, eval_callback=cell.eval_callback, parallel=cell.parallel)
         cand_env = {**env, "GGML_SIM_OPLOG": str(oplog)} if oplog else env
+        if cell.expect in DIVERGENCE_EXPECTS:
+            return self._divergence_cell(cell, started, base_build, cand_build, common, cand_env, oplog)
         # mode 1 (the default) prefetches on CUDA-family devices only, mode 2 on sim devices too
         mode = env.get("GGML_SCHED_PREFETCH", "1")
         prefetch_on = cell.candidate == "patched" and (mode == "2" or (mode == "1" and cell.backend == "cuda"))
@@ -186,14 +190,10 @@ class Harness:
             checks.append(paths_check(decode_paths(cand.stats), cand.log, cell.parallel, k, max(cell.generate - 1, 0),
                                       decode_max=int(env.get("LLAMA_MOE_CACHE_DECODE_MAX", "8"))))
         if oplog is not None:
-            used, races = read_sim_oplog(oplog)
-            shutil.rmtree(oplog.parent, ignore_errors=True)
-            if not used:
-                return CellResult(cell, "fail", note="the candidate did not run on the sim device (empty op log)",
-                                  seconds=time.monotonic() - started)
-            # a race is a read of memory a queued stream operation still wrote: a missing wait, even where the
-            # bytes happened to come out right
-            checks.append(Check("sim-races", races == 0, {"races": races, "devices": sorted(used)}))
+            races = sim_races_check(oplog)
+            if races is None:
+                return CellResult(cell, "fail", note=EMPTY_OPLOG, seconds=time.monotonic() - started)
+            checks.append(races)
         same = base.logits_sha256 == cand.logits_sha256
         detail = {"sha256_base": base.logits_sha256, "sha256_candidate": cand.logits_sha256,
                   "positions": int(base.logits.shape[0])}
@@ -221,6 +221,42 @@ class Harness:
         return CellResult(cell, "pass" if ok else "fail", checks, seconds=time.monotonic() - started,
                           reference=reference)
 
+    def _divergence_cell(self, cell: Cell, started: float, base_build: Build, cand_build: Build, common: dict,
+                         cand_env: dict, oplog: Path | None) -> CellResult:
+        """Three runs over the same tokens: the reference (master as the cell's baseline places it) generates greedily;
+        the candidate (with the cell's fault, if any) and the yardstick are teacher-forced its tokens. Then the
+        divergence contract (divergence.py) on the prompt's logits, every decode step's and the perplexity chunks'."""
+        chunks = (cell.ppl_ctx, PPL_CHUNKS) if cell.perplexity else None
+        fault = parse_fault(cell.fault) if cell.fault else None
+
+        def side(build: Build, place: dict, repack: bool, env: dict, forced=None, planted=None) -> runner.RunResult:
+            return runner.run(build, self.src, runner.RunSpec(repack=repack, env=env, want_decode_logits=True,
+                                                              ppl_chunks=chunks, forced_tokens=forced, fault=planted,
+                                                              **common, **place))
+
+        ref = side(base_build, cell.placement(baseline=True), cell.baseline_repack, {})
+        cand = side(cand_build, cell.placement(), cell.candidate_repack, cand_env, ref.generated, fault)
+        yard = side(base_build, cell.yardstick_placement(), cell.baseline_repack, {}, ref.generated)
+        seconds = time.monotonic() - started
+        checks = []
+        if oplog is not None:
+            races = sim_races_check(oplog)
+            if races is None:
+                return CellResult(cell, "fail", note=EMPTY_OPLOG, seconds=seconds)
+            checks.append(races)
+        if fault and not cand.fault_rows_scaled:
+            return CellResult(cell, "fail", checks, seconds=seconds,
+                              note=f"the fault {cell.fault} never landed: layer {fault['layer']} never routed a token "
+                                   f"to expert {fault['expert']}")
+        detail = {"positions": divergence_positions(ref, bool(chunks)),
+                  **divergence.contract(*(divergence_segments(r) for r in (ref, cand, yard)))}
+        if fault:
+            detail["fault"] = {**fault, "rows_scaled": cand.fault_rows_scaled}
+        checks.append(Check("divergence", detail["holds"], detail))
+        ok = all(c.identical for c in checks if c.name != "divergence")
+        ok = ok and detail["holds"] == (cell.expect == "divergence")
+        return CellResult(cell, "pass" if ok else "fail", checks, seconds=seconds)
+
     def _perplexity(self, cell, model, corpus, base_build, cand_build, env, base_place) -> Check:
         """Both builds write llama-perplexity's saved log-probs (`--kl-divergence-base`); identical files mean
         identical perplexity inputs. The printed values are kept as information only: the tools' logger is
@@ -246,6 +282,39 @@ class Harness:
                                       {**run_env, **env})
                 detail.update(_kld_summary(out))
         return Check("perplexity", same, detail)
+
+
+EMPTY_OPLOG = "the candidate did not run on the sim device (empty op log)"
+PPL_CHUNKS = 2  # llama-perplexity's --chunks in the perplexity check; the divergence cells evaluate as many
+
+
+def sim_races_check(oplog: Path) -> Check | None:
+    """The sim-races check from a candidate's op log, which it then removes; None where the log is empty (the
+    candidate never ran on a sim device, and would pass for the wrong reason)."""
+    used, races = read_sim_oplog(oplog)
+    shutil.rmtree(oplog.parent, ignore_errors=True)
+    if not used:
+        return None
+    # a race is a read of memory a queued stream operation still wrote: a missing wait, even where the bytes happened
+    # to come out right
+    return Check("sim-races", races == 0, {"races": races, "devices": sorted(used)})
+
+
+def divergence_segments(run: runner.RunResult) -> list[np.ndarray]:
+    """A run's logits as the divergence contract's segments: the prompt's, the decode steps', and each perplexity
+    chunk's scored rows (the runs evaluate PPL_CHUNKS chunks of equal length)."""
+    segments = [run.logits, run.decode_logits]
+    if run.ppl_logits is not None:
+        segments += np.split(run.ppl_logits, PPL_CHUNKS)
+    return segments
+
+
+def divergence_positions(run: runner.RunResult, with_chunks: bool) -> dict[str, int]:
+    """How many positions each kind of segment gave the contract (the chunks summed)."""
+    out = {"prompt": len(run.logits), "decode": len(run.decode_logits)}
+    if with_chunks:
+        out["perplexity"] = len(run.ppl_logits)
+    return out
 
 
 def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None, log: str = "") -> Check:
@@ -547,15 +616,28 @@ def summarize(results: list[CellResult]) -> tuple[int, dict]:
     return rc, counts
 
 
+def _mark(c: Check) -> str:
+    if c.name == "divergence":
+        return f"divergence={'within' if c.identical else 'FLAGGED'}"
+    return f"{c.name}={'same' if c.identical else 'DIFF'}"
+
+
+EXPECT_NOTES = {"identical": "", "divergence": "", "mismatch": " (expect mismatch)",
+                "divergence-flagged": " (expect flagged)"}
+
+
 def format_row(r: CellResult) -> str:
-    marks = " ".join(f"{c.name}={'same' if c.identical else 'DIFF'}" for c in r.checks) or r.note
+    marks = " ".join(map(_mark, r.checks)) or r.note
     extra = ""
     logits = next((c for c in r.checks if c.name == "logits"), None)
     if logits and not logits.identical:
         d = logits.detail
         extra = (f" first_diff_pos={d.get('first_diff_pos')} max_abs={d.get('max_abs', 0):.4g}"
                  f" kld={d.get('mean_kld', 0):.3g} top1={d.get('top1_agreement', 0):.3f}")
-    expect = "" if r.cell.expect == "identical" else " (expect mismatch)"
+    div = next((c for c in r.checks if c.name == "divergence"), None)
+    if div:
+        extra = " " + divergence.summary_line(div.detail)
+    expect = EXPECT_NOTES[r.cell.expect]
     if r.reference.get("reference"):
         extra += f" reference={r.reference['reference']}" + (f" ({r.reference['ot']})" if r.reference.get("ot") else "")
     return f"{r.status.upper():8} {r.cell.label:52} {marks}{extra}{expect} [{r.seconds:.1f}s]"

@@ -7,18 +7,23 @@ than a cell that silently tests something else. The file's tables: docs/identity
 from __future__ import annotations
 
 import itertools
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from pyllama_moe.errors import UserError
+from pyllama_moe.worker.fault import parse_fault
 
 AXES = ("model", "offload", "ubatch", "load", "knobs", "eval_callback", "backend")
 # `sim` and `sim2`: the patched CPU build with one or two simulated accelerators (the `sim` test double)
 SIM_DEVICES = {"sim": 1, "sim2": 2}
 BACKENDS = ("cpu", *SIM_DEVICES, "cuda")
 LOADS = ("mmap", "none")
-EXPECTS = ("identical", "mismatch")
+# "divergence": held to the divergence contract (divergence.py) instead of byte identity; "divergence-flagged": a
+# negative control of it, a planted fault the contract must flag
+DIVERGENCE_EXPECTS = ("divergence", "divergence-flagged")
+EXPECTS = ("identical", "mismatch", *DIVERGENCE_EXPECTS)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,10 @@ class Cell:
     perplexity: bool = True
     ppl_ctx: int = 128
     parallel: int = 1  # sequences decoding together: each decode step is one graph of this many tokens
+    # a divergence cell's yardstick, master placed so ("cpu-moe", "ncmoe-N", or "ot:L,L": an -ot rule keeping those
+    # layers' experts on the CPU), and the fault planted in its candidate ("layer:L,expert:E,eps:X"; worker/fault.py)
+    yardstick: str = ""
+    fault: str = ""
     name: str = ""
 
     @property
@@ -64,12 +73,24 @@ class Cell:
         offload = self.baseline_offload if baseline and self.baseline_offload else self.offload
         if offload == "by-path":
             raise ValueError(f"{self.label}: a by-path baseline is placed by the candidate's paths (compare.py)")
-        if offload == "all":
-            return {}
-        if offload == "cpu-moe":
-            return {"cpu_moe": True}
-        kind, _, n = offload.partition("-")
-        return {"n_cpu_moe": int(n)} if kind == "ncmoe" else {"n_gpu_layers": int(n)}
+        return offload_placement(offload)
+
+    def yardstick_placement(self) -> dict:
+        """RunSpec fields of a divergence cell's yardstick."""
+        return offload_placement(self.yardstick)
+
+
+def offload_placement(offload: str) -> dict:
+    """RunSpec fields of an offload value: all | cpu-moe | ncmoe-N | ngl-N | ot:L,L (those layers' experts on the
+    CPU)."""
+    if offload == "all":
+        return {}
+    if offload == "cpu-moe":
+        return {"cpu_moe": True}
+    if offload.startswith("ot:"):
+        return {"cpu_moe_layers": [int(il) for il in offload[3:].split(",")]}
+    kind, _, n = offload.partition("-")
+    return {"n_cpu_moe": int(n)} if kind == "ncmoe" else {"n_gpu_layers": int(n)}
 
 
 CELL_FIELDS = {f.name: f for f in fields(Cell)}
@@ -99,11 +120,11 @@ class Matrix:
                 combos = pairwise_cover(combos, [a for a in AXES if a in self.axes])
         where = (self.subsets.get(subset) or {}).get("where") or {}
         cells = [self._cell({**self.defaults, **combo}, f"cell {combo}") for combo in combos]
-        extra = [self._cell({**self.defaults, **x}, f"cell {x}") for x in self.extra]
-        extra += [self._cell({**self.defaults, **ctl}, f"control {ctl.get('name', '?')}") for ctl in self.controls]
-        # an extra cell belongs to a subset when it matches the subset's filter on the axes it names
-        cells += [c for c in extra if all(getattr(c, a) in vals for a, vals in where.items())]
-        return cells
+        cells += [self._cell({**self.defaults, **x}, f"cell {x}") for x in self.extra]
+        cells += [self._cell({**self.defaults, **ctl}, f"control {ctl.get('name', '?')}") for ctl in self.controls]
+        # a cell belongs to a subset when it matches the subset's filter on every option it names, axes or not (a
+        # product cell's axes matched already)
+        return [c for c in cells if all(getattr(c, a) in vals for a, vals in where.items())]
 
     def _product(self, where: dict | None = None) -> list[dict]:
         names = [a for a in AXES if a in self.axes]
@@ -156,10 +177,34 @@ class Matrix:
             if not (cell.offload == "cpu-moe" or cell.offload.startswith("ncmoe-")):
                 raise bad(f"a by-path baseline needs the candidate's experts on the host, not {cell.offload!r}",
                           ("cpu-moe", "ncmoe-N"))
+        self._check_divergence(cell, bad)
         if not isinstance(cell.parallel, int) or cell.parallel < 1:
             raise bad(f"parallel {cell.parallel!r} is not a whole number of sequences", (1, 2, 4, 8))
         if cell.fit not in ("on", "off"):
             raise bad(f"unknown fit {cell.fit!r}", ("on", "off"))
+
+
+    @staticmethod
+    def _check_divergence(cell: Cell, bad) -> None:
+        """A divergence cell names its yardstick, decodes one sequence (teacher-forced, step by step) and takes no
+        other eval callback than its fault's; yardstick and fault belong to divergence cells only."""
+        if cell.expect not in DIVERGENCE_EXPECTS:
+            if cell.yardstick or cell.fault:
+                raise bad("yardstick and fault belong to a divergence cell", DIVERGENCE_EXPECTS)
+            return
+        valid = cell.yardstick in ("all", "cpu-moe") or re.fullmatch(r"(ncmoe|ngl)-\d+|ot:\d+(,\d+)*", cell.yardstick)
+        if not valid:
+            raise bad(f"a divergence cell's yardstick {cell.yardstick!r} is no placement",
+                      ("cpu-moe", "ncmoe-N", "ngl-N", "ot:L,L"))
+        if cell.baseline_offload == "by-path" or cell.parallel != 1:
+            raise bad("a divergence cell has one reference and one sequence", ("baseline_offload = \"all\"",))
+        if cell.fault:
+            try:
+                parse_fault(cell.fault)
+            except ValueError as exc:
+                raise bad(str(exc), ("layer:L,expert:E,eps:X",)) from None
+            if cell.eval_callback:
+                raise bad("a planted fault is the run's one eval callback: eval_callback must be 0", (0,))
 
 
 def pairwise_cover(combos: list[dict], axes: list[str]) -> list[dict]:

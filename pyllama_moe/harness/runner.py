@@ -69,6 +69,13 @@ class RunSpec:
     # how many generation steps may fail with -3 (an expert-cache lookup refused: llama.cpp removed the step's
     # positions) and be decoded again; RunResult.decode_retries lists their positions (a planted refusal's test)
     retry_failed_decode: int = 0
+    # the divergence harness (compare.py): decode these tokens instead of the argmax (teacher forcing), keep every
+    # decode step's logits, plant a fault ({"layer", "expert", "eps"}: worker/fault.py), and evaluate the first n
+    # chunks of n_ctx tokens of the prompt as llama-perplexity does ((n_ctx, n): RunResult.ppl_logits)
+    forced_tokens: list[int] | None = None
+    want_decode_logits: bool = False
+    fault: dict | None = None
+    ppl_chunks: tuple[int, int] | None = None
 
 
 @dataclass
@@ -84,6 +91,9 @@ class RunResult:
     contexts: list[dict] | None = None  # with RunSpec.contexts > 1: per context "generated", "decode_logits_sha256", "stats"
     decode_retries: list[int] | None = None  # with RunSpec.retry_failed_decode: the positions decoded again
     moe_alerts: list[str] = field(default_factory=list)  # the patched build's `llama_moe:` warning and error lines
+    decode_logits: np.ndarray | None = None  # with want_decode_logits: [generate - 1, n_vocab]
+    ppl_logits: np.ndarray | None = None  # with ppl_chunks: the rows llama-perplexity scores, chunk after chunk
+    fault_rows_scaled: int | None = None  # with fault: the expert rows it scaled over the whole run
 
 
 def check_model(path: Path) -> Path:
@@ -130,9 +140,29 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
             req["retry_failed_decode"] = spec.retry_failed_decode
         if spec.sync_callback:
             req["sync_callback"] = spec.sync_callback
+        extra = _divergence_fields(spec, Path(tmp))
+        req.update(extra)
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),
                                       env=spec.env, who=f"{build.variant} build {build.key}")
         logits = np.load(logits_path) if spec.want_logits and spec.contexts <= 1 else None
+        decode_logits = np.load(extra["decode_logits_out"]) if "decode_logits_out" in extra else None
+        ppl_logits = np.load(extra["ppl_logits_out"]) if "ppl_logits_out" in extra else None
     return RunResult(logits, reply.get("logits_sha256"), reply.get("generated", []), reply.get("text", ""), log,
                      reply.get("stats"), reply.get("decode_logits_sha256"), reply.get("lookup_callback"),
-                     reply.get("contexts"), reply.get("decode_retries"), reply.get("llama_moe_alerts", []))
+                     reply.get("contexts"), reply.get("decode_retries"), reply.get("llama_moe_alerts", []),
+                     decode_logits, ppl_logits, reply.get("fault_rows_scaled"))
+
+
+def _divergence_fields(spec: RunSpec, tmp: Path) -> dict:
+    """The request fields of the divergence harness, only where asked for (every other request stays as it was)."""
+    req: dict = {}
+    if spec.forced_tokens is not None:
+        req["forced_tokens"] = [int(t) for t in spec.forced_tokens]
+    if spec.want_decode_logits:
+        req["decode_logits_out"] = str(tmp / "decode_logits.npy")
+    if spec.fault:
+        req["fault"] = dict(spec.fault)
+    if spec.ppl_chunks:
+        req["ppl_chunks"] = list(spec.ppl_chunks)
+        req["ppl_logits_out"] = str(tmp / "ppl_logits.npy")
+    return req

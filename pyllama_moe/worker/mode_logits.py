@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pyllama_moe.worker.fault import ScaledExpert
 from pyllama_moe.worker.model import loaded_model
 
 
@@ -23,18 +24,19 @@ def run(L, req: dict, lib_dir: Path) -> dict:
     with loaded_model(L, req, lib_dir) as model:
         vocab = L.llama_model_get_vocab(model)
         n_vocab = L.llama_vocab_n_tokens(vocab)
-        tokens = req.get("tokens") or _tokenize(L, vocab, req["prompt"])
+        all_tokens = tokens = req.get("tokens") or _tokenize(L, vocab, req["prompt"])
         if req.get("max_prompt_tokens"):
             tokens = tokens[: int(req["max_prompt_tokens"])]
         n_gen = int(req.get("generate", 0))
-        cp = _context_params(L, req, len(tokens) + n_gen)
+        ppl_ctx, n_chunks = req.get("ppl_chunks") or (0, 0)
+        cp = _context_params(L, req, max(len(tokens) + n_gen, int(ppl_ctx)))
         n_batch = cp.n_batch
         n_par = int(req.get("parallel") or 1)
         keep_cb = None
         watch = _LookupWatch(L, lib_dir, req["lookup_callback"]) if req.get("lookup_callback") else None
-        if sum(bool(req.get(k)) for k in ("eval_callback", "lookup_callback", "sync_callback")) > 1:
-            raise RuntimeError("a request takes one eval callback: \"eval_callback\", \"lookup_callback\" or "
-                               "\"sync_callback\"")
+        if sum(bool(req.get(k)) for k in ("eval_callback", "lookup_callback", "sync_callback", "fault")) > 1:
+            raise RuntimeError("a request takes one eval callback: \"eval_callback\", \"lookup_callback\", "
+                               "\"sync_callback\" or \"fault\"")
         if n_par > 1 and (watch or req.get("warm_tokens")):
             raise RuntimeError("\"parallel\" decodes every sequence at once: it takes no \"lookup_callback\" or "
                                "\"warm_tokens\"")
@@ -43,6 +45,10 @@ def run(L, req: dict, lib_dir: Path) -> dict:
             cp.cb_eval_user_data = None
         elif watch:
             keep_cb = cp.cb_eval = watch.callback
+            cp.cb_eval_user_data = None
+        fault = ScaledExpert(L, lib_dir, req["fault"]) if req.get("fault") else None
+        if fault:
+            keep_cb = cp.cb_eval = fault.callback
             cp.cb_eval_user_data = None
         ctx_of_sync: list = []
         if req.get("sync_callback"):
@@ -91,11 +97,21 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 generated, digest = _parallel_steps(L, ctx, batch, tokens, logits[-1], n_gen, n_par, n_vocab)
             else:
                 retry = _Retry(int(req.get("retry_failed_decode") or 0))
+                steps: list | None = [] if req.get("decode_logits_out") else None
                 generated, digest = _greedy(L, ctx, batch, logits[-1], len(tokens), n_gen, n_batch, n_vocab, watch,
-                                            retry)
+                                            retry, req.get("forced_tokens"), steps)
                 if req.get("retry_failed_decode"):
                     reply["decode_retries"] = retry.at
+                if steps is not None:
+                    np.save(req["decode_logits_out"], np.array(steps, dtype=np.float32).reshape(-1, n_vocab))
             reply["generated"], reply["decode_logits_sha256"] = generated, digest
+            if n_chunks:
+                np.save(req["ppl_logits_out"], _perplexity_chunks(L, ctx, batch, all_tokens, int(ppl_ctx),
+                                                                  int(n_chunks), n_batch, n_vocab))
+            if fault:
+                if fault.error:
+                    raise RuntimeError(f"the planted fault failed: {fault.error}")
+                reply["fault_rows_scaled"] = fault.scaled
             if moe and req.get("stats"):
                 reply["stats"]["generate"] = moe.stats()
                 # the generation's own steps per cached layer: a graph of more tokens than LLAMA_MOE_CACHE_DECODE_MAX
@@ -221,15 +237,19 @@ class _Retry:
 
 
 def _greedy(L, ctx, batch, last, start_pos: int, n_gen: int, n_batch: int, n_vocab: int,
-            watch=None, retry: _Retry | None = None) -> tuple[list[int], str]:
+            watch=None, retry: _Retry | None = None, forced: list[int] | None = None,
+            keep: list | None = None) -> tuple[list[int], str]:
     """n_gen tokens by argmax from the logits row `last`, the first at start_pos; returns them and the sha256 of the
     logits of every decode step, in order (the text alone misses a change that flips no argmax). With a
     _LookupWatch that stopped a step's graph, that token is forgotten and decoded again; a step that failed with -3
-    is decoded again while `retry` allows."""
+    is decoded again while `retry` allows. `forced`: the tokens to decode instead of the argmax (another run's
+    generation, so that both see the same tokens); `keep`: a list that receives every step's logits row."""
+    if forced is not None and len(forced) < n_gen:
+        raise RuntimeError(f"\"forced_tokens\" holds {len(forced)} tokens, the generation {n_gen}")
     generated = []
     digest = hashlib.sha256()
     for step in range(n_gen):
-        tok = int(np.argmax(last))
+        tok = int(forced[step]) if forced is not None else int(np.argmax(last))
         generated.append(tok)
         if step + 1 < n_gen:
             pos = start_pos + step
@@ -246,7 +266,25 @@ def _greedy(L, ctx, batch, last, start_pos: int, n_gen: int, n_batch: int, n_voc
                     raise RuntimeError(f"the context's memory cannot forget position {pos} to decode it again")
                 last = _decode(L, ctx, batch, [tok], pos, False, n_batch, n_vocab)[-1]
             digest.update(np.ascontiguousarray(last, dtype=np.float32).tobytes())
+            if keep is not None:
+                keep.append(np.array(last, dtype=np.float32))
     return generated, digest.hexdigest()
+
+
+def _perplexity_chunks(L, ctx, batch, tokens: list[int], n_ctx: int, n_chunks: int, n_batch: int,
+                       n_vocab: int) -> np.ndarray:
+    """The logits llama-perplexity scores, evaluated here so that a run's eval callback (a planted fault) applies to
+    them too: the first n_chunks chunks of n_ctx tokens, each from an empty memory, and of each the rows of its second
+    half but the last (those whose next token is in the chunk). [n_chunks * (n_ctx / 2 - 1), n_vocab]."""
+    if len(tokens) < n_ctx * n_chunks:
+        raise RuntimeError(f"the prompt has {len(tokens)} tokens, {n_chunks} chunks of {n_ctx} need more")
+    mem = L.llama_get_memory(ctx)
+    rows = []
+    for i in range(n_chunks):
+        L.llama_memory_clear(mem, True)
+        logits = _decode(L, ctx, batch, tokens[i * n_ctx: (i + 1) * n_ctx], 0, True, n_batch, n_vocab)
+        rows.append(logits[n_ctx // 2: n_ctx - 1])
+    return np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)
 
 
 def forced_token(s: int, step: int, n_vocab: int) -> int:
