@@ -28,7 +28,7 @@ def use_build(variant: str = "patched", backend: str = "cpu", *, archive: Path |
     package where none is installed; returns the build's llama-moe.h functions. Call it before llama_cpp is imported:
     a library already loaded cannot be swapped."""
     from pyllama_moe.build.builder import resolve
-    from pyllama_moe.source import packs, sdist as source
+    from pyllama_moe.source import packs
 
     build = resolve(variant, backend, archive=archive, make=False)
     loaded = sys.modules.get("llama_cpp")
@@ -42,7 +42,7 @@ def use_build(variant: str = "patched", backend: str = "cpu", *, archive: Path |
     try:
         import llama_cpp  # noqa: F401  (installed: its own package, our library)
     except ImportError:
-        src = packs.unpacked_python_source() or source.ensure_source(None, None)
+        src = packs.python_source()
         if src.python_dir is None:
             raise UserError("llama_cpp is not installed and the pinned sdist has no Python package",
                             "pip install llama-cpp-python==0.3.36 (its library is replaced by the build's)") from None

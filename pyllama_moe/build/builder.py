@@ -265,14 +265,14 @@ def resolve(variant: str, backend: str = "cpu", *, sdist: Path | None = None, ll
             archive: Path | None = None, other_series: bool = False, make: bool = True, **spec_kwargs) -> Build:
     """The build of `variant` for the current pin and patch inputs: reused when its key is stamped, else built
     (or, with make=False, a UserError that says how to build it)."""
-    from pyllama_moe.source import packs, patches, sdist as source, trees  # late: packs imports this module
+    from pyllama_moe.source import packs, sdist as source, trees  # late: packs imports this module
 
-    offline = packs.unpacked_source(variant) if archive is None and sdist is None and llama_src is None else None
+    # no sdist here, but this pin's archive was unpacked: its tree, as it was built
+    offline = packs.unpacked_tree(variant) if archive is None and sdist is None and llama_src is None else None
     if archive is not None:
         tree = packs.unpack(Path(archive), variant, other_series=other_series)
-    elif offline is not None:  # no sdist here, but this pin's archive was unpacked: its tree, as it was built
-        tree = trees.Tree(variant, offline.llama_dir, trees.source_id(offline),
-                          patches.inputs_digest() if variant == "patched" else "")
+    elif offline is not None:
+        tree = offline
     else:
         tree = trees.prepare(source.ensure_source(sdist, llama_src), variant)
     spec = BuildSpec(tree, backend, **spec_kwargs)

@@ -27,15 +27,13 @@ def _threads(args) -> int:
 
 def _source(args):
     """The source the runner takes the llama_cpp package from: an archive's when building from archives."""
-    from pyllama_moe.source import packs, sdist as source
+    from pyllama_moe.source import packs
 
     if getattr(args, "archive_dir", None):
         return packs.archive_source(args.archive_dir / "llama.cpp-master.tar.gz", "master")
     if getattr(args, "archive", None):
         return packs.archive_source(args.archive, args.variant)
-    sdist, llama_src = getattr(args, "sdist", None), getattr(args, "llama_src", None)
-    offline = packs.unpacked_python_source() if sdist is None and llama_src is None else None
-    return offline or source.ensure_source(sdist, llama_src)
+    return packs.python_source(getattr(args, "sdist", None), getattr(args, "llama_src", None))
 
 
 def _seed_env(seed: str | None) -> dict[str, str]:

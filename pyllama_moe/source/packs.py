@@ -142,6 +142,11 @@ def unpack(archive: Path, variant: str, *, other_series: bool = False) -> trees.
     if variant == "patched" and not other_series and manifest.get("patch_inputs") != patches.inputs_digest():
         raise UserError(f"archive {archive} was packed from other patches or native/ files than this checkout's",
                         f"re-create it with `pyllama-moe source pack --variant {variant}`")
+    return _tree_of(root, variant)
+
+
+def _tree_of(root: Path, variant: str) -> trees.Tree:
+    manifest = json.loads((root / MANIFEST).read_text())
     return trees.Tree(variant, root / "llama.cpp", manifest["source"], manifest["patch_inputs"])
 
 
@@ -158,10 +163,10 @@ def _source_of(root: Path) -> source.Source:
                          "sdist:" + manifest["pin"]["sdist_sha256"])
 
 
-def unpacked_source(variant: str) -> source.Source | None:
-    """On a machine without the sdist (no package registry), the Source of an archive of `variant` that an earlier
+def _unpacked_root(variant: str) -> Path | None:
+    """On a machine without the sdist (no package registry), the folder of an archive of `variant` that an earlier
     `build --archive` unpacked and checked: of this pin, and for patched of this checkout's series. None if none
-    was. Its tree is what the sdist would prepare (same files, same build key), so a build from it is the same."""
+    was, or where the sdist is here. Its tree is what the sdist would prepare (same files, same build key)."""
     if source.sdist_cached():
         return None
     pin_sha, inputs = load_pin().sha256, patches.inputs_digest() if variant == "patched" else None
@@ -170,11 +175,30 @@ def unpacked_source(variant: str) -> source.Source | None:
             continue
         manifest = json.loads((root / MANIFEST).read_text())
         if manifest["pin"]["sdist_sha256"] == pin_sha and (inputs is None or manifest.get("patch_inputs") == inputs):
-            return _source_of(root)
+            return root
     return None
+
+
+def unpacked_source(variant: str) -> source.Source | None:
+    """The Source of _unpacked_root(variant), or None."""
+    root = _unpacked_root(variant)
+    return None if root is None else _source_of(root)
+
+
+def unpacked_tree(variant: str) -> trees.Tree | None:
+    """The tree of _unpacked_root(variant), as `unpack` gave it when it was built, or None."""
+    root = _unpacked_root(variant)
+    return None if root is None else _tree_of(root, variant)
 
 
 def unpacked_python_source() -> source.Source | None:
     """An unpacked archive's Source for its llama_cpp package alone (the sdist's files in either variant), where the
     sdist is not here."""
     return unpacked_source("master") or unpacked_source("patched")
+
+
+def python_source(sdist: Path | None = None, llama_src: Path | None = None) -> source.Source:
+    """The Source whose llama_cpp package a worker loads: the named or pinned sdist's, or, where none was named and
+    the sdist is not here, an unpacked archive's."""
+    offline = unpacked_python_source() if sdist is None and llama_src is None else None
+    return offline or source.ensure_source(sdist, llama_src)
