@@ -1,6 +1,6 @@
-"""Argument groups that several verbs share (kept apart from main.py, which imports every verb module), and the
-checks every verb's input goes through before any work: argparse `type=` functions that range-check a number or
-a path at parse time, the parser class that reports a bad argument in one line, and the checks across options."""
+"""Argument groups that several verbs share (kept apart from main.py, which imports every verb module), the parser
+class that reports a bad argument in one line, and the checks across options and against the model that run before
+any work (the argparse types that check one number or path are pyllama_moe.arguments)."""
 
 from __future__ import annotations
 
@@ -85,12 +85,15 @@ def model_header(model: Path, flag: str = "--model"):
         raise UserError(f"argument {flag}: {exc.what}", exc.fix) from None
 
 
-def check_cpu_moe_layers(flag: str, n_cpu_moe: int, model: Path, model_flag: str = "--model") -> None:
-    """The model's header read (so a bad model stops here), and its layers against an -ncmoe count."""
-    n_layer = int(model_header(model, model_flag).arch_key("block_count", 0))
+def check_cpu_moe_layers(flag: str, n_cpu_moe: int, model: Path, model_flag: str = "--model"):
+    """The model's header read (so a bad model stops here), and its layers against an -ncmoe count (the largest,
+    where several are given); returns the header for the checks after it."""
+    info = model_header(model, model_flag)
+    n_layer = int(info.arch_key("block_count", 0))
     if n_layer and n_cpu_moe > n_layer:
         raise UserError(f"argument {flag}: {n_cpu_moe} is more than the {n_layer} layers of {model}",
                         f"give 0 to {n_layer}")
+    return info
 
 
 def check_cache_has_a_device(flag: str, backend: str, env: dict[str, str] | None = None) -> None:
@@ -117,36 +120,36 @@ BENCH_NUMBERS = {flag: rule for flags, rule in _BENCH_NUMBERS.items() for flag i
 _BENCH_ELEMENT = re.compile(r"^(-?\d+)(?:-(\d+)(?:[+*](\d+))?)?$")
 
 
+def _bench_elements(bench_args: list[str]):
+    """Each element of each comma-separated value in llama-bench arguments: (flag, value, element, its numbers: the
+    number or a range's two ends; None where the element is neither)."""
+    for flag, value in zip(bench_args, bench_args[1:]):
+        for element in value.split(","):
+            match = _BENCH_ELEMENT.match(element)
+            yield flag, value, element, None if match is None else [int(n) for n in match.group(1, 2) if n is not None]
+
+
 def check_bench_numbers(bench_args: list[str], tool: str = "llama-bench") -> None:
     """Each value of a numeric llama-bench flag within its range, element by element, before any build: llama-bench
     itself takes -ub 0 and fails only at its run, or, for some, runs on with a value that means nothing."""
-    for flag, value in zip(bench_args, bench_args[1:]):
+    for flag, value, element, numbers in _bench_elements(bench_args):
         rule = BENCH_NUMBERS.get(flag)
         if rule is None:
             continue
         noun, low, high = rule
-        for element in value.split(","):
-            match = _BENCH_ELEMENT.match(element)
-            where = f" in {value}" if element != value else ""
-            if match is None:
-                raise UserError(f"argument {flag} ({tool}): {element!r}{where} is not {noun} (a whole number, or a "
-                                f"range first-last[+step|*step], {range_text(low, high)})")
-            for number in (n for n in match.group(1, 2) if n is not None):
-                if outside_range(int(number), low, high):
-                    raise UserError(f"argument {flag} ({tool}): {number}{where} is not {noun} "
-                                    f"({range_text(low, high)})")
+        where = f" in {value}" if element != value else ""
+        if numbers is None:
+            raise UserError(f"argument {flag} ({tool}): {element!r}{where} is not {noun} (a whole number, or a "
+                            f"range first-last[+step|*step], {range_text(low, high)})")
+        for number in numbers:
+            if outside_range(number, low, high):
+                raise UserError(f"argument {flag} ({tool}): {number}{where} is not {noun} ({range_text(low, high)})")
 
 
 def bench_flag_values(bench_args: list[str], flags: tuple[str, ...]) -> list[int]:
     """Every number given to any of `flags` (the elements of lists and the ends of ranges), for checks against the
     model."""
-    numbers = []
-    for flag, value in zip(bench_args, bench_args[1:]):
-        if flag in flags:
-            for element in value.split(","):
-                match = _BENCH_ELEMENT.match(element)
-                numbers += [int(n) for n in match.group(1, 2) if n is not None] if match else []
-    return numbers
+    return [n for flag, _, _, numbers in _bench_elements(bench_args) if flag in flags for n in numbers or []]
 
 
 # ---- argument groups -----------------------------------------------------------------------------------------

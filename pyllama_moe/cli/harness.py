@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pyllama_moe.arguments import (choice_list, count, input_dir, input_file, LLAMA_THREADS, MIB, output_file,
                                    real_number, refuse_overwrite, seconds, threads_or_all, whole_number)
-from pyllama_moe.cli.args import check_bench_numbers, check_cache_has_a_device, check_cpu_moe_layers, model_header
+from pyllama_moe.cli.args import check_bench_numbers, check_cache_has_a_device, check_cpu_moe_layers
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import CI_DIR
 
@@ -59,12 +59,12 @@ def _check_run(args) -> None:
         raise UserError("--prompt and --prompt-file both give the prompt", "give one of them")
     refuse_overwrite({"--logits-out": args.logits_out}, {"model": args.model, "--prompt-file": args.prompt_file,
                                                          "--moe-cache-profile": args.moe_cache_profile})
-    check_cpu_moe_layers("-ncmoe/--n-cpu-moe", args.n_cpu_moe, args.model, "model")
+    info = check_cpu_moe_layers("-ncmoe/--n-cpu-moe", args.n_cpu_moe, args.model, "model")
     if args.moe_cache_profile is not None and args.moe_cache_profile.exists():
-        _check_profile_fits(args.moe_cache_profile, args.model)
+        _check_profile_fits(args.moe_cache_profile, args.model, info)
 
 
-def _check_profile_fits(path: Path, model: Path) -> None:
+def _check_profile_fits(path: Path, model: Path, info) -> None:
     """A profile that is no profile, or one of another model, is refused before the run: the build would only log
     the refusal and run on with an empty cache. (The router weights' hash only the build can check.)"""
     from pyllama_moe.plot import profile
@@ -73,7 +73,6 @@ def _check_profile_fits(path: Path, model: Path) -> None:
         p = profile.read(path)
     except UserError as exc:
         raise UserError(f"argument --moe-cache-profile: {exc.what}", exc.fix) from None
-    info = model_header(model, "model")
     ours = (p.arch, p.n_layer, p.n_expert, p.n_expert_used)
     theirs = (info.arch, int(info.arch_key("block_count", 0)), int(info.arch_key("expert_count", 0)),
               int(info.arch_key("expert_used_count", 0)))
@@ -293,8 +292,9 @@ def _check_bench_model(args, model: Path, bench_args: list[str], candidate_env: 
     refuse_overwrite({"--json": args.json}, {"--model": model})
     if args.moe_cache_mib or any(bench_flag_values(bench_args, ("-mcm", "--moe-cache-mib"))):
         check_cache_has_a_device("-mcm/--moe-cache-mib", args.backend, candidate_env)
-    for n_cpu_moe in bench_flag_values(bench_args, ("-ncmoe", "--n-cpu-moe")) or [0]:  # [0]: the header still read
-        check_cpu_moe_layers("-ncmoe (llama-bench)", n_cpu_moe, model)
+    # one header read for every -ncmoe value (none given: still read, so a bad model stops here)
+    check_cpu_moe_layers("-ncmoe (llama-bench)", max(bench_flag_values(bench_args, ("-ncmoe", "--n-cpu-moe")) or [0]),
+                         model)
     if args.archive_dir is not None and not args.archive_dir.is_dir() and None in (args.baseline_archive,
                                                                                       args.candidate_archive):
         raise UserError(f"--archive-dir {args.archive_dir} is not a folder",
