@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy.special import log_softmax
 
 from pyllama_moe.bench.limits import uploading_ubatches
 from pyllama_moe.build.builder import Build, resolve
@@ -54,19 +53,15 @@ def logit_diagnostics(base: np.ndarray, cand: np.ndarray) -> dict:
     if base.shape != cand.shape:
         return {"shape_base": list(base.shape), "shape_candidate": list(cand.shape)}
     rows_differ = np.flatnonzero(np.any(base.view(np.uint32) != cand.view(np.uint32), axis=1))
-    b64, c64 = base.astype(np.float64), cand.astype(np.float64)
-    lb, lc = log_softmax(b64, axis=1), log_softmax(c64, axis=1)
-    # KL from the log-probabilities (not scipy.stats.entropy of probabilities): a candidate probability that
-    # underflows to 0 leaves it finite
-    kld = (np.exp(lb) * (lb - lc)).sum(axis=1)
+    kld = divergence.position_kl(base, cand)
     return {
         "first_diff_pos": int(rows_differ[0]) if rows_differ.size else None,
         "positions_differing": int(rows_differ.size),
         "values_differing": float(np.mean(base != cand)),
-        "max_abs": float(np.max(np.abs(b64 - c64))),
+        "max_abs": float(np.max(np.abs(base.astype(np.float64) - cand.astype(np.float64)))),
         "mean_kld": float(kld.mean()),
         "max_kld": float(kld.max()),
-        "top1_agreement": float(np.mean(base.argmax(axis=1) == cand.argmax(axis=1))),
+        "top1_agreement": float(divergence.top1_match(base, cand).mean()),
     }
 
 
