@@ -8,8 +8,8 @@ from pyllama_moe.paths import PROJECT_ROOT
 
 RESULTS = PROJECT_ROOT / "results"
 
-# what a results name or heading may not say: "s13-logs", "bench-s10-...", "tsan-sim-s6.txt", "Twelfth session",
-# "Issue 4 on the GPU machine", "a sitting"
+# what a results name or heading may not say: a sitting's number as a name part (`sN`), the words session or
+# sitting, or an issue's number
 WHEN = re.compile(r"session|sitting|issue[ _-]?\d|(?<![a-z0-9])s\d+(?![a-z0-9])", re.I)
 # in running text a word may be legitimate elsewhere (an HTTP session), but not in these files
 WHEN_TEXT = re.compile(r"\bsession|\bsitting\b|\bissue \d", re.I)
@@ -38,16 +38,16 @@ def test_nothing_in_results_is_named_or_headed_by_when_it_was_made():
 
 
 def test_the_check_sees_a_name_and_a_heading_that_say_when(tmp_path):
-    (tmp_path / "bench-s10-cache-tg128-whole.json").write_text("{}")
-    (tmp_path / "s13-logs").mkdir()
-    (tmp_path / "tsan-sim-s6.txt").write_text("")
-    (tmp_path / "decode.md").write_text("# Issue 13: decode\n\n## Twelfth session (2026-12-02)\n")
-    (tmp_path / "prompts.md").write_text("# Prompts\n\nRun in the ninth session.\n")
+    (tmp_path / "bench-s1-cache-tg128.json").write_text("{}")
+    (tmp_path / "s2-logs").mkdir()
+    (tmp_path / "tsan-sim-s3.txt").write_text("")
+    (tmp_path / "decode.md").write_text("# Issue 1: decode\n\n## Second session (2000-01-01)\n")
+    (tmp_path / "prompts.md").write_text("# Prompts\n\nRun in the first session.\n")
     (tmp_path / "prefetch-pp512-tg128-rows.json").write_text("{}")
     (tmp_path / "ok.md").write_text("# pp4096 at ub 512, tg128 at -t 15 (t15), commit 59d8bd5\n\nAn HTTP client.\n")
     got = misnamed(tmp_path)
-    assert got == ["bench-s10-cache-tg128-whole.json", "s13-logs", "tsan-sim-s6.txt", "decode.md: # Issue 13: decode",
-                   "decode.md: ## Twelfth session (2026-12-02)", "prompts.md: Run in the ninth session."], got
+    assert got == ["bench-s1-cache-tg128.json", "s2-logs", "tsan-sim-s3.txt", "decode.md: # Issue 1: decode",
+                   "decode.md: ## Second session (2000-01-01)", "prompts.md: Run in the first session."], got
 
 
 def test_every_capability_file_is_listed_in_the_results_readme():
