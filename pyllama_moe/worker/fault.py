@@ -10,25 +10,14 @@ before any later node reads it. No rebuild: master and the patched build take it
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
 
-GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
+from pyllama_moe.worker import ggml_lib
+
 GGML_TYPE_F32 = 0
 FIELDS = {"layer": int, "expert": int, "eps": float}
-
-
-class GgmlTensor(ctypes.Structure):
-    """struct ggml_tensor of the pinned ggml.h (the fields up to `name`; only ne, nb, type and src are read)."""
-
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
-                ("ne", ctypes.c_int64 * GGML_MAX_DIMS), ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
-                ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
-                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * GGML_MAX_SRC),
-                ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p),
-                ("name", ctypes.c_char * GGML_MAX_NAME)]
 
 
 def parse_fault(text: str) -> dict:
@@ -52,12 +41,7 @@ class ScaledExpert:
     landed, and the harness refuses to call the run faulty)."""
 
     def __init__(self, L, lib_dir: Path, fault: dict):
-        ggml = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
-        ggml.ggml_nbytes.restype = ctypes.c_size_t
-        ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        for fn in (ggml.ggml_backend_tensor_get, ggml.ggml_backend_tensor_set):
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        self._ggml = ggml
+        self._ggml = ggml_lib.load(lib_dir / "libggml-base.so")
         self.target = f"ffn_moe_down-{int(fault['layer'])}".encode()
         self.expert, self.factor = int(fault["expert"]), np.float32(1.0 + float(fault["eps"]))
         self.scaled = 0
@@ -65,7 +49,7 @@ class ScaledExpert:
         self.callback = L.ggml_backend_sched_eval_callback(self._on_tensor)
 
     def _on_tensor(self, ptr, ask, _user):
-        t = GgmlTensor.from_address(ptr)
+        t = ggml_lib.GgmlTensor.from_address(ptr)
         if t.name != self.target:
             return not ask  # nothing asked for; observed nodes go on
         if not ask and self.error is None:
@@ -75,22 +59,13 @@ class ScaledExpert:
                 self.error = f"{type(exc).__name__}: {exc}"
         return True
 
-    def _scale(self, ptr: int, t: GgmlTensor) -> None:
+    def _scale(self, ptr: int, t: ggml_lib.GgmlTensor) -> None:
         if t.type != GGML_TYPE_F32 or not t.src[2]:
             raise RuntimeError(f"{self.target.decode()} is not the f32 output of a MUL_MAT_ID: no fault can be planted")
-        out = self._read(ptr, np.float32, 3)  # [n_tokens, n_expert_used, n_embd]
-        ids = self._read(t.src[2], np.int32, 2)  # [n_tokens, n_expert_used]
+        out = ggml_lib.read(self._ggml, ptr, np.float32, 3)  # [n_tokens, n_expert_used, n_embd]
+        ids = ggml_lib.read(self._ggml, t.src[2], np.int32, 2)  # [n_tokens, n_expert_used]
         rows = ids == self.expert
         out[rows] *= self.factor
         self.scaled += int(rows.sum())
         data = np.ascontiguousarray(out)
         self._ggml.ggml_backend_tensor_set(ptr, data.ctypes.data, 0, data.nbytes)
-
-    def _read(self, ptr: int, dtype, dims: int) -> np.ndarray:
-        """A tensor's first `dims` dimensions, outermost first, by its strides (a view such as the top-k ids is not
-        contiguous: ggml_nbytes spans its last element, so the bytes read cover every one)."""
-        t = GgmlTensor.from_address(ptr)
-        raw = np.empty(self._ggml.ggml_nbytes(ptr), dtype=np.uint8)
-        self._ggml.ggml_backend_tensor_get(ptr, raw.ctypes.data, 0, raw.nbytes)
-        shape, strides = tuple(t.ne)[:dims][::-1], tuple(t.nb)[:dims][::-1]
-        return np.lib.stride_tricks.as_strided(raw.view(dtype), shape=shape, strides=strides).copy()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pyllama_moe.worker import ggml_lib
 from pyllama_moe.worker.fault import ScaledExpert
 from pyllama_moe.worker.model import loaded_model
 
@@ -444,10 +445,7 @@ class _LookupWatch:
     Either way what follows must compute what it would have without the callback."""
 
     def __init__(self, L, lib_dir: Path, spec: dict):
-        ggml = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
-        ggml.ggml_op_desc.restype = ctypes.c_char_p
-        ggml.ggml_op_desc.argtypes = [ctypes.c_void_p]
-        self._op = ggml.ggml_op_desc
+        self._op = ggml_lib.load(lib_dir / "libggml-base.so").ggml_op_desc
         self.stop_at = int(spec.get("stop_at") or 0)
         self.read_counters = bool(spec.get("read_counters"))
         self.moe = None  # the context's _MoeApi, set once the context exists
@@ -480,9 +478,7 @@ def _sync_callback(L, lib_dir: Path, name: str, ctx_holder: list):
     """An eval callback that calls llama_synchronize on the context when the tensor `name` was computed, as a
     debugger or a tensor dump does mid-graph: whatever the graph queues after that point must still be waited for by
     the context's later synchronizations. ctx_holder: the context, once it exists."""
-    ggml = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml = ggml_lib.load(lib_dir / "libggml-base.so")
     target = name.encode()
 
     def cb(tensor, ask, _user):

@@ -13,18 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pyllama_moe.worker import ggml_lib
 from pyllama_moe.worker.model import loaded_model
-
-
-class GgmlTensorHead(ctypes.Structure):
-    """The leading fields of `struct ggml_tensor` (ggml.h); checked against ggml_nbytes on every read."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-    ]
 
 
 def run(llama_cpp, req: dict, lib_dir: Path) -> dict:
@@ -34,7 +24,7 @@ def run(llama_cpp, req: dict, lib_dir: Path) -> dict:
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         n_tokens = int(req["n_tokens"])
         threads = int(req.get("threads") or os.cpu_count() or 1)
-        capture = _Capture(_ggml(req["ggml_base"]))
+        capture = _Capture(ggml_lib.load(req["ggml_base"]))
         cb_eval = llama_cpp.ggml_backend_sched_eval_callback(capture.on_tensor)
 
         cp = llama_cpp.llama_context_default_params()
@@ -88,18 +78,6 @@ def run(llama_cpp, req: dict, lib_dir: Path) -> dict:
             "logits": logit_info, "seconds": {"load": t_load, "decode": t_decode}}
 
 
-def _ggml(path: str) -> ctypes.CDLL:
-    """The ggml library that reads tensors back, with the argument types of the three functions used here."""
-    ggml = ctypes.CDLL(path)
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_nbytes.restype = ctypes.c_size_t
-    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.restype = None
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    return ggml
-
-
 class _Capture:
     """What cb_eval saw, per layer: chosen experts, router logit statistics, residual stream statistics."""
 
@@ -113,20 +91,10 @@ class _Capture:
 
     def read(self, t, dtype) -> np.ndarray:
         """The tensor's values as an array [ne1, ne0] (following its strides: topk is a view)."""
-        head = GgmlTensorHead.from_address(t)
-        ne0, ne1 = head.ne[0], head.ne[1] * head.ne[2] * head.ne[3]
-        size = self.ggml.ggml_nbytes(t)
-        raw = (ctypes.c_uint8 * size)()
-        self.ggml.ggml_backend_tensor_get(t, raw, 0, size)
-        item = np.dtype(dtype).itemsize
-        # the struct mirror must agree with ggml's own size computation, else the layout has changed
-        if size != item + sum((head.ne[i] - 1) * head.nb[i] for i in range(4)):
-            raise RuntimeError(f"struct ggml_tensor layout mismatch (ne={list(head.ne)}, nb={list(head.nb)}, "
-                               f"ggml_nbytes={size})")
-        if head.nb[0] != item or (head.ne[2] * head.ne[3] != 1):
+        head = ggml_lib.GgmlTensor.from_address(t)
+        if head.nb[0] != np.dtype(dtype).itemsize or (head.ne[2] * head.ne[3] != 1):
             raise RuntimeError(f"unexpected layout ne={list(head.ne)} nb={list(head.nb)}")
-        return np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype=dtype), shape=(ne1, ne0),
-                                               strides=(head.nb[1], head.nb[0])).copy()
+        return ggml_lib.read(self.ggml, t, dtype, 2)
 
     def on_tensor(self, t, ask, _user_data) -> bool:
         try:
