@@ -119,6 +119,24 @@ def test_llama_bench_reports_the_cache_hit_rate_per_layer_and_repetition(patched
     assert cells[0] == "-" and float(cells[1]) == pytest.approx(100 * small["moe_cache_hit_rate"], abs=0.1)
 
 
+def test_llama_bench_runs_the_cache_probes_as_rows(patched_build, tiny_model):
+    # a whole cache (16 MiB: a slot per expert) three ways in one run: as is (read in place once resident), probe 1
+    # (15 of 16 slots a layer: looked up, a few misses) and probe 2 (never read in place: looked up, all hits once full)
+    proc = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-p", "0", "-n", "16",
+                           "-r", "2", "-t", "2", "-ngl", "99", "-ncmoe", "4", "-mcm", "16", "-mcp", "0,1,2", "-o", "json"],
+                          capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, below, lookup = json.loads(proc.stdout)
+    assert [e["moe_cache_probe"] for e in (plain, below, lookup)] == [0, 1, 2]
+    # filled whole when made: the plain and the lookup rows hit once full; n_expert - 1 slots start empty and miss
+    assert plain["samples_moe_cache_hit_rate"][-1] == 1.0 and lookup["samples_moe_cache_hit_rate"][-1] == 1.0
+    assert 0 < below["moe_cache_hit_rate"] < 1
+    # out of range: one clear line, nothing run
+    bad = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-mcp", "3"],
+                         capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    assert bad.returncode != 0 and "--moe-cache-probe 3: expected 0 (off)" in bad.stderr
+
+
 def test_each_side_builds_from_the_archive_it_names(monkeypatch, tmp_path):
     # the series before a change against the one after: both "patched", each from its own `source pack` archive
     from pyllama_moe.build import builder as build_mod

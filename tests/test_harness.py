@@ -45,9 +45,20 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         # the host-side plan), and prompts that upload ahead staged through it
         expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole",
                                            "moe-cache-whole-routed", "moe-cache-split-ops", "moe-cache-seed-off",
-                                           "moe-cache-half", "moe-cache-10-slots", "moe-cache-poison") else set()
+                                           "moe-cache-half", "moe-cache-10-slots", "moe-cache-poison",
+                                           "moe-cache-probe-below", "moe-cache-probe-lookup") else set()
         if knobs == "moe-cache-split-ops":
             assert checks["cache"]["detail"]["decode_path"] == "mixed"
+        if knobs == "moe-cache-probe-below":
+            # 15 of 16 slots in every layer: no layer whole, each decode step looked up with a few misses
+            detail = checks["cache"]["detail"]
+            assert not detail["whole"] and detail["in_place"] == 0 and detail["misses"] > 0
+            assert detail["decode_path"] == "device"
+        if knobs == "moe-cache-probe-lookup":
+            # filled whole, never read in place: every decode step looked up, all hits
+            detail = checks["cache"]["detail"]
+            assert detail["whole"] and detail["filled_whole"] == 4 and detail["in_place"] == 0
+            assert detail["misses"] == 0 and detail["hits"] > 0 and detail["decode_path"] == "device"
         # parallel sequences: each cached layer's paths against the slots, and the reference they named
         parallel = cell["cell"]["parallel"]
         expected |= {"cache-paths"} if parallel > 1 else set()

@@ -4,6 +4,7 @@ and the host weights compute; the slot state goes back and forth between the pla
 device cannot read the host experts in place decode keeps the host-side plan and the context says why."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -58,6 +59,21 @@ def test_decode_on_the_device_computes_what_the_host_plan_does(patched_build, sr
     # every decode step after the prompt looked up on the device, and the summary says how many
     assert f"{4 * (N_GEN - 1)} looked up on the device" in got.log
     assert re.search(r", 0 looked up on the device,", host_plan.log)
+
+
+def test_the_fills_read_the_host_experts_where_they_are(patched_build, src, model, reference, tmp_path):
+    # the fill's host experts are a source flagged GGML_TENSOR_FLAG_READ_IN_PLACE: the scheduler leaves them in host
+    # memory for a device that reads host memory in place. Copied like any other source, every decode graph would move
+    # each cached layer's whole expert tensors into the device (the SIM op log names such copies after the source)
+    log = tmp_path / "ops.jsonl"
+    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2", "GGML_SIM_OPLOG": str(log)})
+    assert ON_DEVICE in got.log and got.decode_logits_sha256 == reference.decode_logits_sha256
+    assert got.stats["generate"]["cache_decode"]["n_misses"] > 0
+    ops = [json.loads(line) for line in log.read_text().splitlines()]
+    copied = sorted({op["tensor"] for op in ops if "(read in place)" in op.get("tensor", "")})
+    assert copied == [], copied[:4]
+    # the op log does name the cache's decode graphs' work, so the check above looked where the copies would be
+    assert any(op["op"] == "compute" for op in ops) and any("_exps" in op.get("tensor", "") for op in ops)
 
 
 def test_no_host_round_trip_per_layer(patched_build, src, model, reference, host_plan):

@@ -136,6 +136,14 @@ LLAMA_MOE_API int64_t llama_moe_get_moe_cache_mib(const struct llama_context * c
 LLAMA_MOE_API void    llama_moe_default_set_moe_cache_seed(int32_t on);
 LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_seed(void);
 
+// Probes of the cache's own cost (debug; the results' benchmarks use them as rows). 1: every cached layer keeps at most
+// n_expert - 1 slots, so decode looks up and fills a few misses wherever it would have read a whole layer in place
+// (each layer's slots are logged); 2: a layer with a slot per expert is never read in place, so once its experts are
+// resident every decode step looks it up (all hits, no fills: the lookup's pure overhead). 0: off. Process-wide
+// default read when a cache is made; -1 unsets it (then LLAMA_MOE_CACHE_PROBE, then 0).
+LLAMA_MOE_API void    llama_moe_default_set_moe_cache_probe(int32_t probe);
+LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_probe(void);
+
 // Profile: a GGUF file of per-layer expert use counts (pyllama_moe.expert_cache_profile, version 1). When a cache is
 // made and the file is there and was made for this model (architecture, shape and a hash of the routers), each cached
 // layer that is not filled whole starts with the experts of the highest counts in its slots, uploaded once on the

@@ -90,7 +90,6 @@ struct rt_layer {
     // this layer's word of its device's status words (rt_status): its lookups count their refusals there
     int32_t       status_dev    = -1;
     int32_t       status_index  = -1;
-    const void *  host_read[LLAMA_MOE_CACHE_N_TENSORS] = {};
     // which copy of the slot state is newer: the planner's (uploaded before the next device lookup) or the device's
     // (read back before the planner plans the layer again); the same after a handover
     enum state_side { STATE_SAME, STATE_HOST_AHEAD, STATE_DEVICE_AHEAD } state_ahead = STATE_HOST_AHEAD;
@@ -174,6 +173,7 @@ struct llama_moe_cache_rt {
     // seeding (llama-moe-cache-rt.h, "Seeding"): whether the cache seeds at all, whether the next graph bound is to
     // seed (llama_moe_cache_seed_ubatch), and whether the bound one does
     bool    seed_on     = true;
+    int32_t probe       = LLAMA_MOE_CACHE_PROBE_OFF; // llama_moe_default_set_moe_cache_probe, read when made
     int64_t seed_tokens = 0; // the ubatch size of the graph to seed (0: none)
     bool    seeding     = false;
     bool said_no_seed   = false; // said once: nothing uploads ahead, so prompts do not seed
@@ -284,17 +284,26 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
         return "computed on the CPU (no GPU holds the layer)";
     }
     // the matmuls reading the banks are ordered after the plan by graph order alone (the slot map is written by the
-    // host, not by a node): a backend that reorders nodes (Vulkan, Metal, CUDA with GGML_CUDA_GRAPH_OPT=1) could run
-    // them before it; the meta device of -sm tensor mirrors the banks
-    const char * reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(l.dev));
-    if (strcmp(reg, "CUDA") != 0 && strcmp(reg, "SIM") != 0) {
-        return "on a device whose backend may reorder graph nodes (only CUDA and SIM read banks)";
-    }
-    const char * graph_opt = getenv("GGML_CUDA_GRAPH_OPT");
-    if (graph_opt != nullptr && atoi(graph_opt) != 0) {
-        return "on CUDA with GGML_CUDA_GRAPH_OPT set (it reorders graph nodes)";
+    // host, not by a node): a device that reorders nodes could run them before it (ggml-dev-caps.h: CUDA keeps the
+    // order unless GGML_CUDA_GRAPH_OPT=1; Vulkan, Metal, RPC and the meta device of -sm tensor do not say they do)
+    if (!ggml_backend_dev_has_cap(l.dev, GGML_BACKEND_DEV_KEEPS_NODE_ORDER_PROC)) {
+        return "on a device that may reorder graph nodes (its backend does not report keeping node order; CUDA does "
+                "unless GGML_CUDA_GRAPH_OPT=1)";
     }
     return nullptr;
+}
+
+// LLAMA_MOE_CACHE_PROBE=1: at most n_expert - 1 slots a layer (no layer whole, so every decode step of every layer
+// looks up), the budget's other slots left unused
+static void probe_slots_below(llama_moe_cache_sizing & sz, const std::vector<llama_moe_cache_layer_desc> & dd) {
+    sz.bytes_used = 0;
+    for (size_t j = 0; j < dd.size(); j++) {
+        if (sz.n_slots[j] > 0) {
+            sz.n_slots[j] = std::max(1, std::min(sz.n_slots[j], dd[j].n_expert - 1));
+            sz.bytes[j]   = dd[j].overhead_bytes + (size_t) sz.n_slots[j] * dd[j].expert_bytes;
+        }
+        sz.bytes_used += sz.bytes[j];
+    }
 }
 
 static size_t layer_expert_bytes(const rt_layer & l) {
@@ -316,7 +325,7 @@ static int32_t layer_n_tensors(const rt_layer & l) {
 // the slot map and the device lookup's state of one layer: what a cached layer takes besides its slots
 static size_t layer_overhead_bytes(const rt_layer & l, int32_t decode_max) {
     return (size_t) l.n_expert * decode_max * sizeof(int32_t) +
-           (size_t) ggml_moe_cache_state_size(l.n_expert, l.n_expert) * sizeof(int32_t);
+           (size_t) ggml_moe_cache_tensor_size(l.n_expert, l.n_expert, l.n_expert) * sizeof(int32_t);
 }
 
 llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_backend_dev_t dev) {
@@ -375,7 +384,9 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         if (n_slots[i] > 0) {
             l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, rt.decode_max);
             ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
-            l.state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, ggml_moe_cache_state_size(l.n_expert, n_slots[i]));
+            // the slot state, then what a lookup leaves: the fills and the slot ids of a decode graph, whose routed ids
+            // never outnumber the slots (llama_moe_cache_graph_layer)
+            l.state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, ggml_moe_cache_tensor_size(l.n_expert, n_slots[i], n_slots[i]));
             ggml_format_name(l.state, "moe_cache_state-%d", l.il);
         }
         l.n_slots = n_slots[i];
@@ -613,6 +624,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
         }
     }
     rt->layers = cand;
+    rt->probe  = llama_moe_cache_context_probe();
     std::vector<llama_moe_cache_layer_desc> descs(rt->layers.size());
     std::vector<int32_t> n_slots_all(rt->layers.size(), 0);
     for (ggml_backend_dev_t dev : devs) {
@@ -666,6 +678,9 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 LLAMA_LOG_WARN("llama_moe: no expert cache on %s: %s\n", ggml_backend_dev_name(dev), sz.reason.c_str());
                 break;
             }
+            if (rt->probe == LLAMA_MOE_CACHE_PROBE_SLOTS_BELOW) {
+                probe_slots_below(sz, dd);
+            }
             std::vector<rt_layer *> ls;
             for (size_t k : idx) {
                 ls.push_back(&rt->layers[k]);
@@ -689,6 +704,15 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 if (n_whole > 0) {
                     snprintf(whole, sizeof(whole), "; %d layer%s with a slot per expert, read in place %s", n_whole,
                             n_whole > 1 ? "s" : "", fill_whole_on() ? "(filled whole now)" : "once resident (LLAMA_MOE_CACHE_FILL_WHOLE=0)");
+                }
+                for (size_t j = 0; j < dd.size() && rt->probe == LLAMA_MOE_CACHE_PROBE_SLOTS_BELOW; j++) {
+                    LLAMA_LOG_INFO("llama_moe: expert cache probe 1 (LLAMA_MOE_CACHE_PROBE): layer %d keeps %d of %d expert "
+                            "slots\n", dd[j].il, sz.n_slots[j], dd[j].n_expert);
+                }
+                if (rt->probe == LLAMA_MOE_CACHE_PROBE_LOOKUP_ALL && n_whole > 0) {
+                    LLAMA_LOG_INFO("llama_moe: expert cache probe 2 (LLAMA_MOE_CACHE_PROBE): on %s the %d layer%s with a slot "
+                            "per expert %s looked up at every decode step, never read in place\n", ggml_backend_dev_name(dev),
+                            n_whole, n_whole > 1 ? "s" : "", n_whole > 1 ? "are" : "is");
                 }
                 LLAMA_LOG_INFO("llama_moe: expert cache on %s: %.2f MiB, %d MoE layers with their experts on the host, "
                         "%d-%d of %d expert slots each; graphs of up to %d tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)%s\n",
@@ -954,49 +978,35 @@ static bool device_lookup_on() {
     return on;
 }
 
-// why the decode graphs of layer l cannot look its slots up on its device, or nullptr; fills l.host_read
+// why the decode graphs of layer l cannot look its slots up on its device, or nullptr
 static const char * layer_device_unfit(rt_layer & l) {
     if (!device_lookup_on()) {
         return "LLAMA_MOE_CACHE_DEVICE=0";
     }
-    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(l.dev);
-    auto device_ptr = (ggml_backend_host_device_ptr_t) ggml_backend_reg_get_proc_address(reg, GGML_BACKEND_HOST_DEVICE_PTR_PROC);
-    if (device_ptr == nullptr) {
-        return "its backend cannot read host memory in place";
-    }
-    int device = -1;
-    for (size_t i = 0; i < ggml_backend_reg_dev_count(reg); i++) {
-        device = ggml_backend_reg_dev_get(reg, i) == l.dev ? (int) i : device;
-    }
-    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
-        l.host_read[k] = nullptr;
-        if (l.g.bank[k] == nullptr) {
-            continue;
-        }
-        // the first and the last byte: one mapping may end inside a tensor (a range registered per layer)
-        const ggml_tensor * h = l.g.host[k];
-        const size_t last = ggml_nbytes(h) - 1;
-        const char * first = (const char *) device_ptr(device, h->data);
-        if (first == nullptr || (const char *) device_ptr(device, (const char *) h->data + last) != first + last) {
-            return "its host experts are not page-locked where the device can read them (--pin-experts, or --load-mode none)";
-        }
-        l.host_read[k] = first;
+    if (!ggml_backend_dev_has_cap(l.dev, GGML_BACKEND_DEV_READS_HOST_IN_PLACE_PROC)) {
+        return "its device does not read host memory in place";
     }
     // the ops on the layer's own tensors, as the graph will build them (one token)
-    ggml_init_params ip = { ggml_tensor_overhead() * (3 + LLAMA_MOE_CACHE_N_TENSORS), nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead() * (3 + 2 * LLAMA_MOE_CACHE_N_TENSORS), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * ids    = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, l.n_used, 1);
     ggml_tensor * status = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1); // the shape of a layer's word (not allocated)
     ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, status, l.n_expert, l.n_slots);
-    bool ok = ggml_backend_dev_supports_op(l.dev, lookup);
-    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS && ok; k++) {
-        if (l.g.bank[k] != nullptr) {
-            ok = ggml_backend_dev_supports_op(l.dev, ggml_moe_cache_fill(ctx, l.g.bank[k], lookup, l.host_read[k],
-                    l.g.host[k]->nb[expert_dim(k)], l.n_slots));
+    const char * why = nullptr;
+    if (!ggml_backend_dev_supports_op(l.dev, lookup)) {
+        why = "its backend lacks the lookup ops (GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL) for this layer";
+    }
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS && why == nullptr; k++) {
+        // the fill's supports_op says whether the device reads these bytes in place (one mapping may end inside a
+        // tensor: a range registered per layer)
+        if (l.g.bank[k] != nullptr &&
+                !ggml_backend_dev_supports_op(l.dev, ggml_moe_cache_fill(ctx, l.g.bank[k], lookup, const_cast<ggml_tensor *>(l.g.host[k]), l.n_slots))) {
+            why = "its host experts are not page-locked where the device can read them (--pin-experts, or --load-mode "
+                    "none), or its backend lacks GGML_OP_MOE_CACHE_FILL for this layer";
         }
     }
     ggml_free(ctx);
-    return ok ? nullptr : "its backend lacks the lookup ops (GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL) for this layer";
+    return why;
 }
 
 // the decode lookup of each layer on its device where it can be, logged once per device with the reason where not
@@ -1099,8 +1109,8 @@ static void read_back_states(llama_moe_cache_rt & rt, ggml_backend_sched_t sched
             synchronize_backends(rt, sched);
             synced = true;
         }
-        l.state_host.resize(ggml_nelements(l.state));
-        ggml_backend_tensor_get(l.state, l.state_host.data(), 0, ggml_nbytes(l.state));
+        l.state_host.resize(ggml_moe_cache_state_size(l.n_expert, l.n_slots)); // the slot state, not what a lookup left
+        ggml_backend_tensor_get(l.state, l.state_host.data(), 0, l.state_host.size() * sizeof(int32_t));
         std::string why;
         const bool consistent = rt.plan->set_state(l.il, l.state_host.data(), why);
         if (!consistent && rt.freeing) {
@@ -1264,7 +1274,7 @@ static void settle_prompt_admits(llama_moe_cache_rt & rt, rt_layer & l) {
 // for the cache's life (it never evicts, see llama-moe-cache.h), which is what lets graphs that read it in place be
 // reused while llama_moe_cache_n_in_place is unchanged
 static bool layer_in_place(const llama_moe_cache_rt & rt, const rt_layer & l) {
-    return l.pending.empty() && rt.plan->whole(l.il);
+    return rt.probe != LLAMA_MOE_CACHE_PROBE_LOOKUP_ALL && l.pending.empty() && rt.plan->whole(l.il);
 }
 
 void llama_moe_cache_settle(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {
@@ -1366,8 +1376,7 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
         if (l.g.bank[k] == nullptr) {
             continue;
         }
-        ggml_tensor * fill = ggml_moe_cache_fill(ctx, l.g.bank[k], lookup, l.host_read[k], l.g.host[k]->nb[expert_dim(k)],
-                l.n_slots);
+        ggml_tensor * fill = ggml_moe_cache_fill(ctx, l.g.bank[k], lookup, const_cast<ggml_tensor *>(l.g.host[k]), l.n_slots);
         if (skip_plant) {
             // LLAMA_MOE_CACHE_DEBUG_SKIP_FILL on the device: the first fill of every lookup of the first cached layer
             // keeps its slot's old bytes (a planted stale slot, for the identity cells to catch)
@@ -1380,7 +1389,9 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
         banks[k] = fill;
     }
     routes.push_back({ lookup, ids, il, false, false, true, false, graph_tokens });
-    return ggml_view_2d(ctx, lookup, ids->ne[0], ids->ne[1], ids->ne[0] * sizeof(int32_t), 0);
+    // the slot ids inside the lookup's result (a view of the state): the matmuls read them after the lookup by data
+    const size_t slot_ids = (size_t) ggml_moe_cache_tensor_layout_of(l.n_expert, l.n_slots).slot_ids * sizeof(int32_t);
+    return ggml_view_2d(ctx, lookup, ids->ne[0], ids->ne[1], ids->ne[0] * sizeof(int32_t), slot_ids);
 }
 
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
@@ -1807,9 +1818,10 @@ void llama_moe_cache_bind_graph(llama_moe_cache_rt * rt, ggml_backend_sched_t sc
             // host copy stays untouched until the state is read back (after a synchronization)
             if (l.state_ahead == rt_layer::STATE_HOST_AHEAD) {
                 const int64_t t_upload = ggml_time_us();
-                l.state_host.resize(ggml_nelements(l.state));
+                l.state_host.resize(ggml_moe_cache_state_size(l.n_expert, l.n_slots));
                 rt->plan->get_state(r.il, l.state_host.data());
-                ggml_backend_tensor_set_async(l.backend, l.state, l.state_host.data(), 0, ggml_nbytes(l.state));
+                ggml_backend_tensor_set_async(l.backend, l.state, l.state_host.data(), 0,
+                        l.state_host.size() * sizeof(int32_t));
                 std::fill(std::begin(l.device_counted), std::end(l.device_counted), 0); // the counters start at 0 there
                 const llama_moe_cache_layer & pl = *rt->plan->layer(r.il);
                 l.next_whole_check = l.device_steps + std::max<int64_t>(1, pl.n_free / std::max(1, l.n_used));

@@ -15,7 +15,7 @@
 // one kernel), the plan (CLOCK) picks slots, the misses are uploaded from the host tensors into their slots and the
 // slot map written, all on the stream that computes the layer, before the rest of the graph runs. Every other graph
 // (prompts, and batches whose experts may not fit: the staging path, counted) uses the host weights as before. Only
-// CUDA and SIM devices get banks (other backends may reorder graph nodes), and not with GGML_CUDA_GRAPH_OPT.
+// devices that report keeping node order get banks (ggml-dev-caps.h: CUDA unless GGML_CUDA_GRAPH_OPT=1, and SIM).
 // Per-expert scales and LoRA keep the router's ids.
 //
 // In place: a layer with a slot per expert holds expert e in slot e (llama-moe-cache.h); once all its experts are
@@ -25,10 +25,11 @@
 // when a rebuilt graph would read more layers in place.
 //
 // Decode on the device: where the layer's device has the lookup ops and reads its host experts in place
-// (page-locked and mapped: ggml_backend_host_device_ptr), a decode graph looks the slots up on the device instead:
-// ggml_moe_cache_lookup on the layer's slot state (a device tensor beside the banks, updated in place) and one
-// ggml_moe_cache_fill per bank, which copies the misses from host memory, all before the layer's matmuls, which read
-// the filled banks at the returned slots. Nothing is read back and no callback splits the graph: a token is one graph
+// (ggml-dev-caps.h; page-locked and mapped memory, which the fill's supports_op checks), a decode graph looks the
+// slots up on the device instead: ggml_moe_cache_lookup on the layer's slot state (a device tensor beside the banks;
+// the op returns a view of it, with the fills and slot ids it wrote) and one ggml_moe_cache_fill per bank, which
+// copies the misses from the host experts, all before the layer's matmuls, which read the filled banks at the
+// returned slots. Nothing is read back and no callback splits the graph: a token is one graph
 // (one CUDA graph). The planner and the device hand the slot state over when the path changes: a graph that looks a
 // layer up on the device first uploads the planner's state where it is newer; a graph that does not (a prompt, the
 // host-side plan) first reads the device's back, with the counters of its lookups (one synchronization per switch).

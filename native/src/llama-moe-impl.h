@@ -26,6 +26,15 @@ int64_t llama_moe_cache_take_device_cap_mib(const char * dev, bool * first);
 // LLAMA_MOE_CACHE_SEED, else on
 bool llama_moe_cache_context_seed();
 
+// the probe a new cache runs (llama-moe.h, llama_moe_default_set_moe_cache_probe): process default, else
+// LLAMA_MOE_CACHE_PROBE, else 0
+enum llama_moe_cache_probe {
+    LLAMA_MOE_CACHE_PROBE_OFF         = 0,
+    LLAMA_MOE_CACHE_PROBE_SLOTS_BELOW = 1, // at most n_expert - 1 slots a layer
+    LLAMA_MOE_CACHE_PROBE_LOOKUP_ALL  = 2, // no layer read in place
+};
+int32_t llama_moe_cache_context_probe();
+
 // the expert cache profile a new cache reads and writes: process default (llama-moe.h setter or --moe-cache-profile),
 // else LLAMA_MOE_CACHE_PROFILE, else none (empty)
 std::string llama_moe_cache_context_profile();

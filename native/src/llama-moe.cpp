@@ -210,6 +210,7 @@ void llama_moe_debug_slowdown(int64_t cycle_us) {
 static std::mutex g_cache_mutex;
 static int64_t g_cache_mib  = -1; // -1: unset
 static int32_t g_cache_seed = -1; // -1: unset
+static int32_t g_cache_probe = -1; // -1: unset
 static std::string g_cache_profile; // empty: unset
 // device name -> the cap --fit set, and whether a cache made on the device took it already (the room --fit planned is
 // for one cache: later ones keep the cache's own margin)
@@ -257,6 +258,17 @@ bool llama_moe_cache_context_seed() {
     }
     static const int64_t env = llama_moe_env_whole("LLAMA_MOE_CACHE_SEED", 0, 1);
     return env != 0;
+}
+
+int32_t llama_moe_cache_context_probe() {
+    {
+        std::lock_guard<std::mutex> lock(g_cache_mutex);
+        if (g_cache_probe >= 0) {
+            return g_cache_probe;
+        }
+    }
+    static const int64_t env = llama_moe_env_whole("LLAMA_MOE_CACHE_PROBE", 0, 2);
+    return (int32_t) std::max<int64_t>(env, 0);
 }
 
 std::string llama_moe_cache_context_profile() {
@@ -359,6 +371,19 @@ void llama_moe_default_set_moe_cache_seed(int32_t on) {
 
 int32_t llama_moe_default_get_moe_cache_seed(void) {
     return llama_moe_cache_context_seed() ? 1 : 0;
+}
+
+void llama_moe_default_set_moe_cache_probe(int32_t probe) {
+    if (probe > LLAMA_MOE_CACHE_PROBE_LOOKUP_ALL) {
+        LLAMA_LOG_ERROR("llama_moe: expert cache probe %d is not one of 0, 1, 2; left as it was\n", probe);
+        return;
+    }
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_cache_probe = probe >= 0 ? probe : -1;
+}
+
+int32_t llama_moe_default_get_moe_cache_probe(void) {
+    return llama_moe_cache_context_probe();
 }
 
 void llama_moe_default_set_moe_cache_profile(const char * path) {

@@ -179,7 +179,8 @@ class Harness:
             want_device = None if env.get("GGML_SIM_NO_CACHE_OPS") else env.get("LLAMA_MOE_CACHE_DEVICE", "1") != "0"
             # parallel steps whose experts may not fit the slots leave the banks in every layer: no decode read them
             reads = not want_paths or any(steps[p] for steps in decode_paths(cand.stats).values() for p in READ_PATHS)
-            checks.append(cache_check(cand.log, ahead, want_device=want_device, decode_reads=reads))
+            checks.append(cache_check(cand.log, ahead, want_device=want_device, decode_reads=reads,
+                                      probe=int(env.get("LLAMA_MOE_CACHE_PROBE", "0"))))
         if want_paths:
             _, k = expert_layers(model)
             checks.append(paths_check(decode_paths(cand.stats), cand.log, cell.parallel, k, max(cell.generate - 1, 0),
@@ -402,13 +403,15 @@ def filled_whole_layers(log: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None, decode_reads: bool = True) -> Check:
+def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None, decode_reads: bool = True,
+                probe: int = 0) -> Check:
     """The expert cache really took its path, by the context's summary at its end (banks made on which devices, with
     how many slots per layer): what a partial and a whole cache must show is in docs/identity.md, "The cache check".
 
     want_device: decode looks its slots up on every device (True: the default where the backend has the lookup ops),
     or plans on the host there (False: LLAMA_MOE_CACHE_DEVICE=0); None: either. decode_reads False: no decode step read
-    the banks (parallel steps whose experts may not fit the slots), so none planned or missed."""
+    the banks (parallel steps whose experts may not fit the slots), so none planned or missed. probe: the cache's
+    LLAMA_MOE_CACHE_PROBE; with 2 a whole cache is never read in place: every decode step looks up and hits."""
     made = [m.groups() for m in CACHE_MADE.finditer(log)]
     decode = [tuple(map(int, m.groups())) for m in CACHE_DECODE.finditer(log)]
     prompt = [tuple(map(int, m.groups())) for m in CACHE_PROMPT.finditer(log)]
@@ -429,7 +432,10 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
               "hits": sum(d[1] for d in decode),
               "misses": misses, "in_place": in_place, "prompt_ubatches_ahead": ubatches_ahead,
               "prompt_layer_steps": p_steps, "prompt_reads": p_reads, "prompt_fills": p_fills}
-    if whole and filled_whole:
+    detail["probe"] = probe
+    if whole and filled_whole and probe == 2:
+        ok = in_place == 0 and p_fills == 0 and steps > 0 and misses == 0 and detail["hits"] > 0
+    elif whole and filled_whole:
         ok = in_place > 0 and p_fills == 0
     elif whole:
         ok = in_place > 0 and (ubatches_ahead == 0 or p_fills > 0)

@@ -965,19 +965,21 @@ static void lookup_handover() {
             CHECK(b.set_state(0, flat.data(), why), "the state was refused: %s", why.c_str());
         }
         if (on_device) {
-            const ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(8, n_tokens, 40);
-            dst.assign(d.size, -1);
-            const int32_t n = ggml_moe_cache_lookup_to_dst(&dev, sc, ids.data(), n_tokens, 8, 8, dst.data(), dst.data() + d.result);
-            CHECK(n == (int32_t) pa.fills.size() && dst[d.result] == n && dst[d.n_distinct] == pa.n_distinct,
+            // the lookup's slot ids, then its tail, as the op's tensor keeps them after the state
+            const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(40);
+            dst.assign(8 * n_tokens + d.size, -1);
+            int32_t * tail = dst.data() + 8 * n_tokens;
+            const int32_t n = ggml_moe_cache_lookup_to_dst(&dev, sc, ids.data(), n_tokens, 8, 8, dst.data(), tail);
+            CHECK(n == (int32_t) pa.fills.size() && tail[d.result] == n && tail[d.n_distinct] == pa.n_distinct,
                     "step %d: %d fills, %zu planned", t, n, pa.fills.size());
             want_hits   += pa.n_distinct - n;
             want_misses += n;
-            CHECK(std::equal(pa.slot_ids.begin(), pa.slot_ids.end(), dst.begin()) && (int64_t) pa.slot_ids.size() == d.result,
+            CHECK(std::equal(pa.slot_ids.begin(), pa.slot_ids.end(), dst.begin()) && (int64_t) pa.slot_ids.size() == 8 * n_tokens,
                     "step %d: slot ids differ", t);
             for (int32_t i = 0; i < 40; i++) {
                 const bool fill = i < n;
-                CHECK(dst[d.fill_expert + i] == (fill ? pa.fills[i].expert : -1) && dst[d.fill_slot + i] == (fill ? pa.fills[i].slot : -1) &&
-                        (fill || dst[d.evicted + i] == -1), "step %d fill %d differs", t, i);
+                CHECK(tail[d.fill_expert + i] == (fill ? pa.fills[i].expert : -1) && tail[d.fill_slot + i] == (fill ? pa.fills[i].slot : -1) &&
+                        (fill || tail[d.evicted + i] == -1), "step %d fill %d differs", t, i);
             }
             for (int64_t i = 0; i < 128 + 40; i++) {
                 CHECK(sc.marks[i] == 0, "step %d: scratch marks left set", t);
@@ -1056,11 +1058,10 @@ static void profile_counts() {
             flat.data() + ggml_moe_cache_state_counted_offset(16, 4) == st.counters, "the counted tail's offsets");
     st.uses[5] = INT32_MAX;
     std::vector<uint8_t> scratch(ggml_moe_cache_scratch_size(16, 4), 0);
-    std::vector<int32_t> dst(ggml_moe_cache_lookup_dst_size(2, 1, 4), -1);
-    const ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(2, 1, 4);
+    std::vector<int32_t> dst(2 + ggml_moe_cache_tail_layout_of(4).size, -1);
     const std::vector<int32_t> one = { 5, 9 };
     CHECK(ggml_moe_cache_lookup_to_dst(&st, ggml_moe_cache_scratch_at(scratch.data(), 16, 4), one.data(), 1, 2, 2, dst.data(),
-            dst.data() + d.result) >= 0, "refused");
+            dst.data() + 2) >= 0, "refused");
     CHECK(st.uses[5] == INT32_MAX && st.uses[9] == 1, "uses %d %d", st.uses[5], st.uses[9]);
     std::string why;
     CHECK(c.set_state(0, flat.data(), why), "%s", why.c_str());

@@ -96,10 +96,10 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_scratch ggml_moe_cache_scratch_at(void *
     return sc;
 }
 
-// The flat state that the op GGML_OP_MOE_CACHE_LOOKUP (ggml.h) reads and updates in place, one int32 tensor per
-// layer: [hand, n_free, slot_of[n_expert], expert_of[n_slots], ref[n_slots], counters[2 * GGML_MOE_CACHE_N_COUNTERS],
+// The flat state of one layer, the prefix of the tensor that the op GGML_OP_MOE_CACHE_LOOKUP (ggml.h) updates:
+// [hand, n_free, slot_of[n_expert], expert_of[n_slots], ref[n_slots], counters[2 * GGML_MOE_CACHE_N_COUNTERS],
 // uses[n_expert]]. One piece, so that handing a layer's state between the host-side plan and a device is one copy; what
-// the lookups count (counters, uses) is its tail, read back alone for the stats.
+// the lookups count (counters, uses) is its end, read back alone for the stats.
 GGML_MOE_CACHE_FN int64_t ggml_moe_cache_state_size(int32_t n_expert, int32_t n_slots) {
     return 2 + 2 * (int64_t) n_expert + 2 * (int64_t) n_slots + 2 * GGML_MOE_CACHE_N_COUNTERS;
 }
@@ -128,11 +128,15 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t 
     return st;
 }
 
-// The op's dst, int32, for n_ids = n_used * n_tokens routed ids:
-//   [slot_ids[n_ids] | result | n_distinct | fill_expert[n_slots] | fill_slot[n_slots] | evicted[n_slots]]
-// result is the lookup's return (the fills, or -1 overflow, -2 an id out of range, -3 an inconsistent state); the
-// fill entries past the fills are -1. Offsets in elements, so that no caller computes them by hand.
-struct ggml_moe_cache_lookup_dst {
+// The tensor that GGML_OP_MOE_CACHE_LOOKUP (ggml.h) updates and returns a view of, int32: the flat state, then what one
+// lookup leaves for the ops after it (the fills and the slot ids), room for up to max_ids routed ids:
+//   [state | result | n_distinct | fill_expert[n_slots] | fill_slot[n_slots] | evicted[n_slots] | slot_ids[max_ids]]
+// result is the lookup's return (the fills, or -1 overflow, -2 an id out of range, -3 an inconsistent state); the fill
+// entries past the fills are -1; slot_ids[t * n_used + j] is the slot of routed id j of token t. The tail (result on)
+// sits at a fixed offset, so that a fill finds it whatever the ubatch; the state is a prefix, so that handing a layer
+// over between the host-side plan and a device copies only ggml_moe_cache_state_size elements. Offsets in elements,
+// so that no caller computes them by hand.
+struct ggml_moe_cache_tail_layout { // offsets from the tail's start (result)
     int64_t result;
     int64_t n_distinct;
     int64_t fill_expert;
@@ -141,20 +145,37 @@ struct ggml_moe_cache_lookup_dst {
     int64_t size;
 };
 
-GGML_MOE_CACHE_FN struct ggml_moe_cache_lookup_dst ggml_moe_cache_lookup_dst_layout(int64_t n_used, int64_t n_tokens,
-        int32_t n_slots) {
-    struct ggml_moe_cache_lookup_dst d;
-    d.result      = n_used * n_tokens;
-    d.n_distinct  = d.result + 1;
-    d.fill_expert = d.result + 2;
+GGML_MOE_CACHE_FN struct ggml_moe_cache_tail_layout ggml_moe_cache_tail_layout_of(int32_t n_slots) {
+    struct ggml_moe_cache_tail_layout d;
+    d.result      = 0;
+    d.n_distinct  = 1;
+    d.fill_expert = 2;
     d.fill_slot   = d.fill_expert + n_slots;
     d.evicted     = d.fill_slot + n_slots;
     d.size        = d.evicted + n_slots;
     return d;
 }
 
-GGML_MOE_CACHE_FN int64_t ggml_moe_cache_lookup_dst_size(int64_t n_used, int64_t n_tokens, int32_t n_slots) {
-    return ggml_moe_cache_lookup_dst_layout(n_used, n_tokens, n_slots).size;
+struct ggml_moe_cache_tensor_layout { // offsets in the lookup's tensor
+    int64_t tail;
+    int64_t slot_ids;
+};
+
+GGML_MOE_CACHE_FN struct ggml_moe_cache_tensor_layout ggml_moe_cache_tensor_layout_of(int32_t n_expert, int32_t n_slots) {
+    struct ggml_moe_cache_tensor_layout t;
+    t.tail     = ggml_moe_cache_state_size(n_expert, n_slots);
+    t.slot_ids = t.tail + ggml_moe_cache_tail_layout_of(n_slots).size;
+    return t;
+}
+
+// the elements of a lookup's tensor with room for max_ids routed ids (n_used * n_tokens of the largest ubatch)
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_tensor_size(int32_t n_expert, int32_t n_slots, int64_t max_ids) {
+    return ggml_moe_cache_tensor_layout_of(n_expert, n_slots).slot_ids + max_ids;
+}
+
+// the routed ids a lookup's tensor of n elements has room for (negative: not even the state and the tail fit)
+GGML_MOE_CACHE_FN int64_t ggml_moe_cache_tensor_max_ids(int32_t n_expert, int32_t n_slots, int64_t n) {
+    return n - ggml_moe_cache_tensor_layout_of(n_expert, n_slots).slot_ids;
 }
 
 // expert e's own slot when it is free, else the lowest free slot; only while *n_free > 0
@@ -315,12 +336,12 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cach
     return n_fills;
 }
 
-// the lookup into the op's dst: slot_ids as above, tail = the dst from result on; the tail's fill entries must be -1 on
-// entry (the lookup writes only the fills it takes), so that a device can set them with all its threads
+// the lookup into the op's tensor: slot_ids and the tail as above; the tail's fill entries must be -1 on entry (the
+// lookup writes only the fills it takes), so that a device can set them with all its threads
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cache_state * st,
         struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
         int32_t * slot_ids, int32_t * tail) {
-    const struct ggml_moe_cache_lookup_dst d = ggml_moe_cache_lookup_dst_layout(0, 0, st->n_slots); // offsets from result
+    const struct ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(st->n_slots);
     int32_t n_distinct = 0;
     const int32_t res = ggml_moe_cache_lookup_slots(st, sc, ids, n_tokens, n_used, stride, slot_ids,
             tail + d.fill_expert, tail + d.fill_slot, tail + d.evicted, &n_distinct);
@@ -346,34 +367,27 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cac
     return res;
 }
 
-// GGML_OP_MOE_CACHE_FILL (ggml.h) copies the fills a lookup took from host memory into their slots of one bank. Its op
-// params: where the backend reads expert 0 of the host tensor in place, the bytes between two experts there, the
-// bank's slots, and a debug plant (skip_first: the first fill of every lookup is left out, so its slot keeps stale
-// bytes, which the identity cells must catch). The address is packed into two int32 words, low first.
+// GGML_OP_MOE_CACHE_FILL (ggml.h) copies the fills a lookup took from the host experts (its src[1], read where they
+// are) into their slots of one bank. Its op params: the bank's slots, the dimension that counts the experts (the last
+// of the bank: 2 for a weight, 1 for a bias), and a debug plant (skip_first: the first fill of every lookup is left
+// out, so its slot keeps stale bytes, which the identity cells must catch).
 struct ggml_moe_cache_fill_params {
-    const void * host;
-    int64_t      host_nb;
-    int32_t      n_slots;
-    int32_t      skip_first;
+    int32_t n_slots;
+    int32_t expert_dim;
+    int32_t skip_first;
 };
 
 GGML_MOE_CACHE_FN void ggml_moe_cache_fill_params_set(int32_t * op_params, struct ggml_moe_cache_fill_params p) {
-    const uint64_t a = (uint64_t) (uintptr_t) p.host;
-    const uint64_t n = (uint64_t) p.host_nb;
-    op_params[0] = (int32_t) (uint32_t) a;
-    op_params[1] = (int32_t) (uint32_t) (a >> 32);
-    op_params[2] = (int32_t) (uint32_t) n;
-    op_params[3] = (int32_t) (uint32_t) (n >> 32);
-    op_params[4] = p.n_slots;
-    op_params[5] = p.skip_first;
+    op_params[0] = p.n_slots;
+    op_params[1] = p.expert_dim;
+    op_params[2] = p.skip_first;
 }
 
 GGML_MOE_CACHE_FN struct ggml_moe_cache_fill_params ggml_moe_cache_fill_params_of(const int32_t * op_params) {
     struct ggml_moe_cache_fill_params p;
-    p.host       = (const void *) (uintptr_t) ((uint64_t) (uint32_t) op_params[0] | ((uint64_t) (uint32_t) op_params[1] << 32));
-    p.host_nb    = (int64_t) ((uint64_t) (uint32_t) op_params[2] | ((uint64_t) (uint32_t) op_params[3] << 32));
-    p.n_slots    = op_params[4];
-    p.skip_first = op_params[5];
+    p.n_slots    = op_params[0];
+    p.expert_dim = op_params[1];
+    p.skip_first = op_params[2];
     return p;
 }
 

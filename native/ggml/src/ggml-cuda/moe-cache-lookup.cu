@@ -3,7 +3,7 @@
 // The lookup is sequential (each miss takes what the misses before it left), so one thread runs it, the one C
 // implementation the CPU and the host-side plan run (ggml-moe-cache-lookup.h); the block's other threads only move
 // the layer's state into shared memory and back, so that the thread's many small reads and writes hit shared memory
-// and not global memory. Shared memory holds what depends on the layer alone (state, the dst from result on, the
+// and not global memory. Shared memory holds what depends on the layer alone (state, the tail of fills, the
 // scratch), so whether a layer is supported does not change with the batch; the slot ids, one per routed id, go
 // straight to global memory. One launch of a fixed shape, no allocation and no host synchronization: capturable in a
 // CUDA graph, and the state stays on the device from one token to the next.
@@ -13,24 +13,26 @@
 
 #define CUDA_MOE_CACHE_LOOKUP_BLOCK_SIZE 256
 
-// in int32 elements: state, then the dst tail; the scratch follows, 4-byte aligned
+// in int32 elements: state, then the tail; the scratch follows, 4-byte aligned
 static int64_t moe_cache_lookup_shared_ints(int32_t n_expert, int32_t n_slots) {
-    return ggml_moe_cache_state_size(n_expert, n_slots) + ggml_moe_cache_lookup_dst_size(0, 0, n_slots);
+    return ggml_moe_cache_state_size(n_expert, n_slots) + ggml_moe_cache_tail_layout_of(n_slots).size;
 }
 
 static size_t moe_cache_lookup_shared_size(int32_t n_expert, int32_t n_slots) {
     return moe_cache_lookup_shared_ints(n_expert, n_slots) * sizeof(int32_t) + ggml_moe_cache_scratch_size(n_expert, n_slots);
 }
 
+// state: the lookup's tensor, [state | tail | slot_ids] (ggml_moe_cache_tensor_layout_of); the state and the tail are
+// staged in shared memory, the tail right after the state, as in the tensor
 static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids, int32_t * __restrict__ state,
-        int32_t * __restrict__ status, int32_t * __restrict__ dst, const int32_t n_expert, const int32_t n_slots, const int32_t n_used,
+        int32_t * __restrict__ status, const int32_t n_expert, const int32_t n_slots, const int32_t n_used,
         const int64_t n_tokens, const int64_t stride) {
     extern __shared__ int32_t smem[];
 
-    const int64_t n_state = ggml_moe_cache_state_size(n_expert, n_slots);
-    const int64_t n_tail  = ggml_moe_cache_lookup_dst_size(0, 0, n_slots);
+    const ggml_moe_cache_tensor_layout t = ggml_moe_cache_tensor_layout_of(n_expert, n_slots);
+    const int64_t n_state = t.tail;
+    const int64_t n_tail  = ggml_moe_cache_tail_layout_of(n_slots).size;
     const int64_t n_marks = (int64_t) n_expert + n_slots;
-    const int64_t off     = ggml_moe_cache_lookup_dst_layout(n_used, n_tokens, n_slots).result; // the tail in dst
 
     int32_t * s_state   = smem;
     int32_t * s_tail    = smem + n_state;
@@ -52,15 +54,12 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
         ggml_moe_cache_state st = ggml_moe_cache_state_flat(s_state, n_expert, n_slots);
         st.status = status; // global memory: one word that the lookups of several layers add to, in stream order
         const ggml_moe_cache_scratch sc = ggml_moe_cache_scratch_at(s_scratch, n_expert, n_slots);
-        ggml_moe_cache_lookup_to_dst(&st, sc, ids, n_tokens, n_used, stride, dst, s_tail);
+        ggml_moe_cache_lookup_to_dst(&st, sc, ids, n_tokens, n_used, stride, state + t.slot_ids, s_tail);
     }
     __syncthreads();
 
-    for (int64_t i = threadIdx.x; i < n_state; i += blockDim.x) {
-        state[i] = s_state[i];
-    }
-    for (int64_t i = threadIdx.x; i < n_tail; i += blockDim.x) {
-        dst[off + i] = s_tail[i];
+    for (int64_t i = threadIdx.x; i < n_state + n_tail; i += blockDim.x) {
+        state[i] = smem[i];
     }
 }
 
@@ -82,22 +81,21 @@ bool ggml_cuda_moe_cache_lookup_supported(int device, const ggml_tensor * op) {
 }
 
 void ggml_cuda_op_moe_cache_lookup(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const ggml_tensor * ids   = dst->src[0];
-    ggml_tensor       * state = dst->src[1];
+    const ggml_tensor * ids = dst->src[0];
 
     const int32_t n_expert = ggml_get_op_params_i32(dst, 0);
     const int32_t n_slots  = ggml_get_op_params_i32(dst, 1);
     const int32_t n_used   = (int32_t) ids->ne[0];
     const int64_t n_tokens = ids->ne[1];
 
-    GGML_ASSERT(ggml_nelements(dst) == ggml_moe_cache_lookup_dst_size(n_used, n_tokens, n_slots));
-    GGML_ASSERT(ggml_nelements(state) == ggml_moe_cache_state_size(n_expert, n_slots));
+    // dst is a view of the state (ggml_moe_cache_lookup): the slot state, the tail and the slot ids are all in it
+    GGML_ASSERT(ggml_moe_cache_tensor_max_ids(n_expert, n_slots, ggml_nelements(dst)) >= n_used * n_tokens);
 
     const size_t nbytes_shared = moe_cache_lookup_shared_size(n_expert, n_slots);
     GGML_ASSERT(nbytes_shared <= ggml_cuda_info().devices[ggml_cuda_get_device()].smpb);
 
     moe_cache_lookup_kernel<<<1, CUDA_MOE_CACHE_LOOKUP_BLOCK_SIZE, nbytes_shared, ctx.stream()>>>(
-            (const int32_t *) ids->data, (int32_t *) state->data,
-            dst->src[2] ? (int32_t *) dst->src[2]->data : nullptr, (int32_t *) dst->data, n_expert, n_slots, n_used,
+            (const int32_t *) ids->data, (int32_t *) dst->data,
+            dst->src[2] ? (int32_t *) dst->src[2]->data : nullptr, n_expert, n_slots, n_used,
             n_tokens, ids->nb[1] / (int64_t) sizeof(int32_t));
 }

@@ -20,6 +20,7 @@
 #include "ggml-host-map.h"
 #include "ggml-copy-regions.h"
 #include "ggml-mmid-batch.h"
+#include "ggml-dev-caps.h"
 #include "../ggml-cuda/mmvq-mmid.h"
 
 #include "../ggml-backend-impl.h"
@@ -1133,11 +1134,8 @@ ggml_status sim_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgra
             continue;
         }
         task.writes.push_back(range_of(node->data, ggml_nbytes(node)));
-        // the expert cache's lookup updates its slot state and its status word, sources, in place: a host read of
-        // either before the compute is waited for races with it like a read of the node's own output
-        if (node->op == GGML_OP_MOE_CACHE_LOOKUP && node->src[1]->data) {
-            task.writes.push_back(range_of(node->src[1]->data, ggml_nbytes(node->src[1])));
-        }
+        // the expert cache's lookup updates its status word, a source, in place (its state is the node's own view): a
+        // host read of it before the compute is waited for races with it like a read of the node's own output
         if (node->op == GGML_OP_MOE_CACHE_LOOKUP && node->src[2] && node->src[2]->data) {
             task.writes.push_back(range_of(node->src[2]->data, ggml_nbytes(node->src[2])));
         }
@@ -1339,6 +1337,8 @@ ggml_backend_buffer_type_t sim_dev_get_host_buffer_type(ggml_backend_dev_t dev) 
     return &reg_state()->host_buft;
 }
 
+void * sim_host_device_ptr(int device, const void * ptr);
+
 bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     ggml_backend_dev_t cpu_dev = cpu_device(device_of(dev));
     if (!cpu_dev) {
@@ -1346,6 +1346,16 @@ bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     }
     if ((op->op == GGML_OP_MOE_CACHE_LOOKUP || op->op == GGML_OP_MOE_CACHE_FILL) && sim_cfg().no_cache_ops[device_of(dev)->index]) {
         return false;
+    }
+    // a fill reads its host experts where they are, as CUDA does: only memory the device maps
+    if (op->op == GGML_OP_MOE_CACHE_FILL) {
+        const ggml_tensor *   host = op->src[1];
+        ggml_backend_buffer_t buf  = tensor_buffer(host);
+        if (buf && ggml_backend_buffer_is_host(buf) && ggml_nbytes(host) > 0 &&
+                (sim_host_device_ptr(device_of(dev)->index, host->data) == nullptr ||
+                 sim_host_device_ptr(device_of(dev)->index, (const char *) host->data + ggml_nbytes(host) - 1) == nullptr)) {
+            return false;
+        }
     }
     // a GPU cannot read weights the CPU backend repacked into its own (non-host) layout
     for (int i = 0; i < GGML_MAX_SRC; i++) {
@@ -1573,6 +1583,18 @@ void * sim_host_device_ptr(int device, const void * ptr) {
     return (uintptr_t) ptr < it->second ? (void *) ptr : nullptr;
 }
 
+// ggml-dev-caps.h: SIM computes a graph's nodes in order on its stream, and its kernels read mapped host memory in
+// place as CUDA's do (which memory is mapped is sim_host_device_ptr's to say: none with GGML_SIM_HOST_NO_MAPPED=1)
+bool sim_dev_keeps_node_order(ggml_backend_dev_t dev) {
+    GGML_UNUSED(dev);
+    return true;
+}
+
+bool sim_dev_reads_host_in_place(ggml_backend_dev_t dev) {
+    GGML_UNUSED(dev);
+    return true;
+}
+
 // ggml_backend_dev_mul_mat_id_vec_max_batch (ggml-mmid-batch.h): SIM computes with the CPU's kernels, which do not
 // depend on the expert count, so only GGML_SIM_CC makes it report a CUDA architecture's limit (for the cache's
 // path tests)
@@ -1607,6 +1629,12 @@ void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     }
     if (strcmp(name, GGML_BACKEND_COPY_REGIONS_PROC) == 0) {
         return (void *) (ggml_backend_copy_regions_async_t) sim_copy_regions_async;
+    }
+    if (strcmp(name, GGML_BACKEND_DEV_KEEPS_NODE_ORDER_PROC) == 0) {
+        return (void *) (ggml_backend_dev_cap_t) sim_dev_keeps_node_order;
+    }
+    if (strcmp(name, GGML_BACKEND_DEV_READS_HOST_IN_PLACE_PROC) == 0) {
+        return (void *) (ggml_backend_dev_cap_t) sim_dev_reads_host_in_place;
     }
     if (strcmp(name, GGML_BACKEND_DEV_MUL_MAT_ID_VEC_MAX_BATCH_PROC) == 0) {
         return (void *) (ggml_backend_dev_mul_mat_id_vec_max_batch_t) sim_dev_mul_mat_id_vec_max_batch;
