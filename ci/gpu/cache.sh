@@ -26,8 +26,12 @@
 #              GPU, the cold first repetition apart; then filled as routed (LLAMA_MOE_CACHE_FILL_WHOLE=0), report only
 #   tg-whole-mmap  tg-whole's comparison with -lm mmap (the experts registered in place instead of read into pinned
 #              buffers)
+#   cost       the cache's own cost, tg128 in one interleaved run of the patched build against itself with -ncmoe 0
+#              (all on the GPU) as the limit row: every expert cached as is (read in place), probe 1 (n_expert - 1
+#              slots a layer: lookups and a few fills), probe 2 (never read in place: lookups, all hits), and the half
+#              and quarter caches; the pinned link rate from llama-moe-copy-probe first, for the misses' bytes
 set -uo pipefail
-step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap}
+step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap|cost}
 . "$(dirname "$0")/common.sh"
 CACHE_MIB=${CACHE_MIB:-7800}
 
@@ -144,8 +148,18 @@ tg-whole-mmap)
         --rounds 4 --max-seconds 240 --limit-row n_cpu_moe=0 --candidate-env LLAMA_MOE_CACHE_MIB=${ALL_MIB:-17000} \
         --json "$OUT/cache-tg128-whole-mmap.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm mmap 2>&1 | tee "$OUT/cache-tg128-whole-mmap.txt"
     ;;
+cost)
+    wait_builds 60 || exit 1
+    M=$(skew_model) || exit 1
+    P=$(patched_bin)
+    timeout 60 "$P/llama-moe-copy-probe" 2>&1 | tee "$OUT/cache-cost-copy-probe.txt"
+    BENCH_MODEL=$M bench 480 --baseline patched --candidate patched --pin-threads --warmup-rounds 0 --reps 4 --discard 1 \
+        --rounds 3 --max-seconds 420 --limit-row n_cpu_moe=0 --json "$OUT/cache-cost-tg128.json" \
+        -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm none -mcm ${ALL_MIB:-17000},7800,3900 -mcp 0,1,2 \
+        2>&1 | tee "$OUT/cache-cost-tg128.txt"
+    ;;
 *)
-    echo "unknown step $step: use identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap"; exit 2
+    echo "unknown step $step: use identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap|cost"; exit 2
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"

@@ -10,7 +10,7 @@
 
 #include "ggml-alloc.h"
 #include "ggml-copy-regions.h"
-#include "ggml-host-map.h"
+#include "ggml-dev-caps.h"
 #include "ggml-mmid-batch.h"
 #include "ggml-moe-cache-lookup.h"
 
@@ -286,7 +286,7 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
     // the matmuls reading the banks are ordered after the plan by graph order alone (the slot map is written by the
     // host, not by a node): a device that reorders nodes could run them before it (ggml-dev-caps.h: CUDA keeps the
     // order unless GGML_CUDA_GRAPH_OPT=1; Vulkan, Metal, RPC and the meta device of -sm tensor do not say they do)
-    if (!ggml_backend_dev_has_cap(l.dev, GGML_BACKEND_DEV_KEEPS_NODE_ORDER_PROC)) {
+    if (!ggml_backend_dev_keeps_node_order(l.dev)) {
         return "on a device that may reorder graph nodes (its backend does not report keeping node order; CUDA does "
                 "unless GGML_CUDA_GRAPH_OPT=1)";
     }
@@ -294,12 +294,14 @@ static const char * layer_unfit(const llama_model & model, int32_t il, rt_layer 
 }
 
 // LLAMA_MOE_CACHE_PROBE=1: at most n_expert - 1 slots a layer (no layer whole, so every decode step of every layer
-// looks up), the budget's other slots left unused
-static void probe_slots_below(llama_moe_cache_sizing & sz, const std::vector<llama_moe_cache_layer_desc> & dd) {
+// looks up), the budget's other slots left unused; never below min_slots (a token's experts), which a layer of
+// n_used == n_expert keeps whole
+static void probe_slots_below(llama_moe_cache_sizing & sz, const std::vector<llama_moe_cache_layer_desc> & dd,
+        int32_t min_slots) {
     sz.bytes_used = 0;
     for (size_t j = 0; j < dd.size(); j++) {
         if (sz.n_slots[j] > 0) {
-            sz.n_slots[j] = std::max(1, std::min(sz.n_slots[j], dd[j].n_expert - 1));
+            sz.n_slots[j] = std::max({ 1, min_slots, std::min(sz.n_slots[j], dd[j].n_expert - 1) });
             sz.bytes[j]   = dd[j].overhead_bytes + (size_t) sz.n_slots[j] * dd[j].expert_bytes;
         }
         sz.bytes_used += sz.bytes[j];
@@ -679,7 +681,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 break;
             }
             if (rt->probe == LLAMA_MOE_CACHE_PROBE_SLOTS_BELOW) {
-                probe_slots_below(sz, dd);
+                probe_slots_below(sz, dd, (int32_t) hp.n_expert_used_max());
             }
             std::vector<rt_layer *> ls;
             for (size_t k : idx) {
@@ -983,8 +985,15 @@ static const char * layer_device_unfit(rt_layer & l) {
     if (!device_lookup_on()) {
         return "LLAMA_MOE_CACHE_DEVICE=0";
     }
-    if (!ggml_backend_dev_has_cap(l.dev, GGML_BACKEND_DEV_READS_HOST_IN_PLACE_PROC)) {
+    if (!ggml_backend_dev_reads_host_in_place(l.dev, nullptr, nullptr, 0)) {
         return "its device does not read host memory in place";
+    }
+    // the bytes the fills read (one mapping may end inside a tensor: a range registered per layer)
+    for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
+        const ggml_tensor * h = l.g.host[k];
+        if (l.g.bank[k] != nullptr && !ggml_backend_dev_reads_host_in_place(l.dev, h->buffer, h->data, ggml_nbytes(h))) {
+            return "its host experts are not page-locked where the device can read them (--pin-experts, or --load-mode none)";
+        }
     }
     // the ops on the layer's own tensors, as the graph will build them (one token)
     ggml_init_params ip = { ggml_tensor_overhead() * (3 + 2 * LLAMA_MOE_CACHE_N_TENSORS), nullptr, true };
@@ -997,12 +1006,9 @@ static const char * layer_device_unfit(rt_layer & l) {
         why = "its backend lacks the lookup ops (GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL) for this layer";
     }
     for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS && why == nullptr; k++) {
-        // the fill's supports_op says whether the device reads these bytes in place (one mapping may end inside a
-        // tensor: a range registered per layer)
         if (l.g.bank[k] != nullptr &&
                 !ggml_backend_dev_supports_op(l.dev, ggml_moe_cache_fill(ctx, l.g.bank[k], lookup, const_cast<ggml_tensor *>(l.g.host[k]), l.n_slots))) {
-            why = "its host experts are not page-locked where the device can read them (--pin-experts, or --load-mode "
-                    "none), or its backend lacks GGML_OP_MOE_CACHE_FILL for this layer";
+            why = "its backend lacks the lookup ops (GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL) for this layer";
         }
     }
     ggml_free(ctx);

@@ -965,7 +965,7 @@ static void lookup_handover() {
             CHECK(b.set_state(0, flat.data(), why), "the state was refused: %s", why.c_str());
         }
         if (on_device) {
-            // the lookup's slot ids, then its tail, as the op's tensor keeps them after the state
+            // the slot ids and the tail of a lookup (in the op's tensor the tail comes first, then the slot ids)
             const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(40);
             dst.assign(8 * n_tokens + d.size, -1);
             int32_t * tail = dst.data() + 8 * n_tokens;

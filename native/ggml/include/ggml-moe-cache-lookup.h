@@ -369,18 +369,23 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cac
 
 // GGML_OP_MOE_CACHE_FILL (ggml.h) copies the fills a lookup took from the host experts (its src[1], read where they
 // are) into their slots of one bank. Its op params: the bank's slots, the dimension that counts the experts (the last
-// of the bank: 2 for a weight, 1 for a bias), and a debug plant (skip_first: the first fill of every lookup is left
-// out, so its slot keeps stale bytes, which the identity cells must catch).
+// of the bank: 2 for a weight, 1 for a bias), a debug plant (skip_first: the first fill of every lookup is left out,
+// so its slot keeps stale bytes, which the identity cells must catch), and where the lookup's tail sits in its tensor
+// and the most fills it may take (min(routed ids, slots)), so that the fill reads nothing of its source's op params.
 struct ggml_moe_cache_fill_params {
     int32_t n_slots;
     int32_t expert_dim;
     int32_t skip_first;
+    int32_t tail;
+    int32_t max_fills;
 };
 
 GGML_MOE_CACHE_FN void ggml_moe_cache_fill_params_set(int32_t * op_params, struct ggml_moe_cache_fill_params p) {
     op_params[0] = p.n_slots;
     op_params[1] = p.expert_dim;
     op_params[2] = p.skip_first;
+    op_params[3] = p.tail;
+    op_params[4] = p.max_fills;
 }
 
 GGML_MOE_CACHE_FN struct ggml_moe_cache_fill_params ggml_moe_cache_fill_params_of(const int32_t * op_params) {
@@ -388,6 +393,8 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_fill_params ggml_moe_cache_fill_params_o
     p.n_slots    = op_params[0];
     p.expert_dim = op_params[1];
     p.skip_first = op_params[2];
+    p.tail       = op_params[3];
+    p.max_fills  = op_params[4];
     return p;
 }
 

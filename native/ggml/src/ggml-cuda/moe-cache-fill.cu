@@ -13,7 +13,7 @@
 #define CUDA_MOE_CACHE_FILL_BLOCK_SIZE 256
 #define CUDA_MOE_CACHE_FILL_CHUNK      (64 * 1024) // bytes of an expert per block, about
 
-static __global__ void moe_cache_fill_kernel(const char * __restrict__ host, const int64_t host_nb,
+static __global__ void moe_cache_fill_kernel(const char * __restrict__ host, const int64_t host_nb, const int64_t n_expert,
         char * __restrict__ bank, const int64_t slot_nb, const int64_t nbytes, const int32_t * __restrict__ tail,
         const int32_t n_slots, const int32_t skip_first) {
     const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(n_slots);
@@ -22,8 +22,14 @@ static __global__ void moe_cache_fill_kernel(const char * __restrict__ host, con
     if (i >= n_fills || (i == 0 && skip_first)) {
         return; // also an overflow or a bad input (negative): nothing was taken
     }
-    const char * __restrict__ src = host + (int64_t) tail[d.fill_expert + i] * host_nb;
-    char * __restrict__       out = bank + (int64_t) tail[d.fill_slot + i] * slot_nb;
+    // read like indices: an entry out of range (a tail written by anyone but the lookup) is left out
+    const int32_t e = tail[d.fill_expert + i];
+    const int32_t s = tail[d.fill_slot + i];
+    if (e < 0 || e >= n_expert || s < 0 || s >= n_slots) {
+        return;
+    }
+    const char * __restrict__ src = host + (int64_t) e * host_nb;
+    char * __restrict__       out = bank + (int64_t) s * slot_nb;
 
     ggml_cuda_copy_bytes(out, src, (size_t) nbytes, (size_t) blockIdx.x * blockDim.x + threadIdx.x,
             (size_t) gridDim.x * blockDim.x);
@@ -34,26 +40,24 @@ void ggml_cuda_op_moe_cache_fill(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const ggml_tensor * host   = dst->src[1];
     const ggml_moe_cache_fill_params p = ggml_moe_cache_fill_params_of((const int32_t *) dst->op_params);
 
-    const int32_t n_expert = ggml_get_op_params_i32(lookup, 0);
-    const int64_t nbytes   = (int64_t) (ggml_nbytes(dst) / p.n_slots); // one slot of the bank
-    const int64_t n_ids    = lookup->src[0]->ne[0] * lookup->src[0]->ne[1]; // the lookup's routed ids
-    GGML_ASSERT(n_ids >= 1 && ggml_is_contiguous(dst) && ggml_is_contiguous(lookup));
+    const int64_t nbytes = (int64_t) (ggml_nbytes(dst) / p.n_slots); // one slot of the bank
+    GGML_ASSERT(ggml_is_contiguous(dst) && ggml_is_contiguous(lookup));
+    GGML_ASSERT(ggml_nelements(lookup) >= p.tail + ggml_moe_cache_tail_layout_of(p.n_slots).size);
 
-    // host memory this device maps, read in place (supports_op refused any other), or the device's own memory
+    // host memory this device maps, read in place (the scheduler copied it here otherwise), or the device's own memory
     const char * src = (const char *) host->data;
     if (host->buffer != nullptr && ggml_backend_buffer_is_host(host->buffer)) {
         src = (const char *) ggml_cuda_host_read_ptr(ctx.device, host->buffer, host->data, ggml_nbytes(host));
         GGML_ASSERT(src != nullptr && "the fill's host experts are not memory the device maps");
     }
 
-    // a lookup takes at most a fill per distinct expert: per routed id, and per slot
-    const int64_t max_fills = std::min<int64_t>(n_ids, p.n_slots);
-    const int64_t n_chunks  = std::max<int64_t>(1, std::min<int64_t>(64, nbytes / CUDA_MOE_CACHE_FILL_CHUNK));
-    GGML_ASSERT(max_fills <= 65535);
+    // a lookup takes at most a fill per distinct expert: per routed id, and per slot (max_fills); a row of blocks each
+    const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(64, nbytes / CUDA_MOE_CACHE_FILL_CHUNK));
+    GGML_ASSERT(p.max_fills >= 1 && p.max_fills <= 65535);
 
-    const int32_t * tail = (const int32_t *) lookup->data + ggml_moe_cache_tensor_layout_of(n_expert, p.n_slots).tail;
-    const dim3 grid((unsigned) n_chunks, (unsigned) max_fills, 1);
+    const dim3 grid((unsigned) n_chunks, (unsigned) p.max_fills, 1);
     moe_cache_fill_kernel<<<grid, CUDA_MOE_CACHE_FILL_BLOCK_SIZE, 0, ctx.stream()>>>(src, (int64_t) host->nb[p.expert_dim],
-            (char *) dst->data, nbytes, nbytes, tail, p.n_slots, p.skip_first);
+            host->ne[p.expert_dim], (char *) dst->data, nbytes, nbytes, (const int32_t *) lookup->data + p.tail, p.n_slots,
+            p.skip_first);
     CUDA_CHECK(cudaGetLastError());
 }

@@ -1337,8 +1337,6 @@ ggml_backend_buffer_type_t sim_dev_get_host_buffer_type(ggml_backend_dev_t dev) 
     return &reg_state()->host_buft;
 }
 
-void * sim_host_device_ptr(int device, const void * ptr);
-
 bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     ggml_backend_dev_t cpu_dev = cpu_device(device_of(dev));
     if (!cpu_dev) {
@@ -1346,16 +1344,6 @@ bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     }
     if ((op->op == GGML_OP_MOE_CACHE_LOOKUP || op->op == GGML_OP_MOE_CACHE_FILL) && sim_cfg().no_cache_ops[device_of(dev)->index]) {
         return false;
-    }
-    // a fill reads its host experts where they are, as CUDA does: only memory the device maps
-    if (op->op == GGML_OP_MOE_CACHE_FILL) {
-        const ggml_tensor *   host = op->src[1];
-        ggml_backend_buffer_t buf  = tensor_buffer(host);
-        if (buf && ggml_backend_buffer_is_host(buf) && ggml_nbytes(host) > 0 &&
-                (sim_host_device_ptr(device_of(dev)->index, host->data) == nullptr ||
-                 sim_host_device_ptr(device_of(dev)->index, (const char *) host->data + ggml_nbytes(host) - 1) == nullptr)) {
-            return false;
-        }
     }
     // a GPU cannot read weights the CPU backend repacked into its own (non-host) layout
     for (int i = 0; i < GGML_MAX_SRC; i++) {
@@ -1566,33 +1554,42 @@ void sim_host_unmap(void * ptr) {
     oplog_write(GGML_SIM_NAME, -1, op, t0, t0, now_ns());
 }
 
-// SIM memory is host memory, so a kernel reads host memory at its own address; what is modelled is that only
-// page-locked memory may be read so (cudaMallocHost buffers, mapped registrations), and a device that cannot
-// (GGML_SIM_HOST_NO_MAPPED=1), so callers take their fallback
-void * sim_host_device_ptr(int device, const void * ptr) {
-    if (sim_cfg().host_no_mapped || device < 0 || device >= sim_cfg().n_devices) {
-        return nullptr;
+// the end of the mapped range that holds ptr, or 0 where none does (or GGML_SIM_HOST_NO_MAPPED=1: a device that
+// cannot read host memory in place, so callers take their fallback)
+uintptr_t sim_readable_end(const void * ptr) {
+    if (sim_cfg().host_no_mapped) {
+        return 0;
     }
     sim_device_readable & r = device_readable();
     std::lock_guard<std::mutex> lock(r.mutex);
     auto it = r.ranges.upper_bound((uintptr_t) ptr);
     if (it == r.ranges.begin()) {
-        return nullptr;
+        return 0;
     }
     --it;
-    return (uintptr_t) ptr < it->second ? (void *) ptr : nullptr;
+    return (uintptr_t) ptr < it->second ? it->second : 0;
+}
+
+// SIM memory is host memory, so a kernel reads host memory at its own address; what is modelled is that only
+// page-locked memory may be read so (cudaMallocHost buffers, mapped registrations)
+void * sim_host_device_ptr(int device, const void * ptr) {
+    if (device < 0 || device >= sim_cfg().n_devices) {
+        return nullptr;
+    }
+    return sim_readable_end(ptr) != 0 ? (void *) ptr : nullptr;
 }
 
 // ggml-dev-caps.h: SIM computes a graph's nodes in order on its stream, and its kernels read mapped host memory in
-// place as CUDA's do (which memory is mapped is sim_host_device_ptr's to say: none with GGML_SIM_HOST_NO_MAPPED=1)
+// place as CUDA's do: [ptr, ptr + size) inside one mapped range (ptr NULL: whether they ever can: yes)
 bool sim_dev_keeps_node_order(ggml_backend_dev_t dev) {
     GGML_UNUSED(dev);
     return true;
 }
 
-bool sim_dev_reads_host_in_place(ggml_backend_dev_t dev) {
+bool sim_dev_reads_host_in_place(ggml_backend_dev_t dev, ggml_backend_buffer_t buf, const void * ptr, size_t size) {
     GGML_UNUSED(dev);
-    return true;
+    GGML_UNUSED(buf);
+    return ptr == nullptr || (size > 0 && (uintptr_t) ptr + size <= sim_readable_end(ptr));
 }
 
 // ggml_backend_dev_mul_mat_id_vec_max_batch (ggml-mmid-batch.h): SIM computes with the CPU's kernels, which do not
@@ -1631,10 +1628,10 @@ void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
         return (void *) (ggml_backend_copy_regions_async_t) sim_copy_regions_async;
     }
     if (strcmp(name, GGML_BACKEND_DEV_KEEPS_NODE_ORDER_PROC) == 0) {
-        return (void *) (ggml_backend_dev_cap_t) sim_dev_keeps_node_order;
+        return (void *) (ggml_backend_dev_keeps_node_order_t) sim_dev_keeps_node_order;
     }
     if (strcmp(name, GGML_BACKEND_DEV_READS_HOST_IN_PLACE_PROC) == 0) {
-        return (void *) (ggml_backend_dev_cap_t) sim_dev_reads_host_in_place;
+        return (void *) (ggml_backend_dev_reads_host_in_place_t) sim_dev_reads_host_in_place;
     }
     if (strcmp(name, GGML_BACKEND_DEV_MUL_MAT_ID_VEC_MAX_BATCH_PROC) == 0) {
         return (void *) (ggml_backend_dev_mul_mat_id_vec_max_batch_t) sim_dev_mul_mat_id_vec_max_batch;
