@@ -29,7 +29,8 @@
 #   cost       the cache's own cost, tg128 in one interleaved run of the patched build against itself with -ncmoe 0
 #              (all on the GPU) as the limit row: every expert cached as is (read in place), probe 1 (n_expert - 1
 #              slots a layer: lookups and a few fills), probe 2 (never read in place: lookups, all hits), and the half
-#              and quarter caches; the pinned link rate from llama-moe-copy-probe first, for the misses' bytes
+#              and quarter caches; the pinned link rate from llama-moe-copy-probe first, for the misses' bytes; then
+#              each cache kernel's own duration under ncu (pyllama_moe/bench/kernel_times.py)
 set -uo pipefail
 step=${1:?usage: cache.sh identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap|cost}
 . "$(dirname "$0")/common.sh"
@@ -157,6 +158,16 @@ cost)
         --rounds 3 --max-seconds 420 --limit-row n_cpu_moe=0 --json "$OUT/cache-cost-tg128.json" \
         -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm none -mcm ${ALL_MIB:-17000},7800,3900 -mcp 0,1,2 \
         2>&1 | tee "$OUT/cache-cost-tg128.txt"
+    # each cache kernel's own time (ncu serializes kernels: durations, not a step's wall time), half the cache and
+    # probe 2: a lookup per cached layer and token, a fill per bank
+    for run in "7800 0" "${ALL_MIB:-17000} 2"; do
+        set -- $run
+        LLAMA_MOE_CACHE_MIB=$1 LLAMA_MOE_CACHE_PROBE=$2 timeout 240 ncu --clock-control none --csv \
+            --metrics gpu__time_duration.sum --kernel-name regex:moe_cache "$P/llama-bench" -m "$M" -p 0 -n 8 -r 1 \
+            -ngl 99 -ncmoe 48 -lm none > "$OUT/cache-cost-ncu-$1-$2.csv" 2> "$OUT/cache-cost-ncu-$1-$2.log"
+        python3 -c 'import sys; from pyllama_moe.bench.kernel_times import parse, table
+print(table(parse(open(sys.argv[1]).read())))' "$OUT/cache-cost-ncu-$1-$2.csv" | tee "$OUT/cache-cost-ncu-$1-$2.md"
+    done
     ;;
 *)
     echo "unknown step $step: use identity|pp|pp-master|pp-off|pp-32k|series-build|tg-series|tg|tg-whole|tg-whole-mmap|cost"; exit 2

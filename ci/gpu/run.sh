@@ -33,6 +33,7 @@ cache-tg-series     cache.sh tg-series        tg128 at CACHE_MIB, this series ag
 cache-tg            cache.sh tg               tg128, cache at half the expert bytes, against master, paced; the hit rate
 cache-tg-whole      cache.sh tg-whole         tg128 with every expert cached as a share of all on the GPU (-lm none)
 cache-tg-whole-mmap cache.sh tg-whole-mmap    the same comparison with -lm mmap
+cache-cost          cache.sh cost             the cache's own cost: probes and caches against all on the GPU, kernel times (ncu)
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
 lookup-syncs        device-lookup.sh syncs    host syncs per token: cache on the device, host-side plan, all on the GPU
 lookup-tg           device-lookup.sh tg       tg128 against master, paced, then against master's -ncmoe 24 rows

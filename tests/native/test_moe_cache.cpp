@@ -1320,6 +1320,82 @@ static int first_tokens_sim() {
     return 0;
 }
 
+// The lookup's three phases with the state's check split over T threads (first t, step T, totals summed), as the CUDA
+// kernel runs them, leave what the whole lookup on one thread leaves: state, slot ids, tail, counters, status and marks,
+// over random states (consistent, a wrong free count, a slot holding an expert out of range, a hand out of range) and
+// routings (hits, misses, evictions, overflows, ids out of range)
+static void lookup_split_check() {
+    std::mt19937 rng(7);
+    int n_paths[6] = {};
+    for (int it = 0; it < 20000; it++) {
+        const int32_t ne = 2 + (int32_t) (rng() % 96), ns = 1 + (int32_t) (rng() % ne);
+        const int32_t nu = 1 + (int32_t) (rng() % std::min(ne, 8)), nt = 1 + (int32_t) (rng() % 4);
+        std::vector<int32_t> a(ggml_moe_cache_state_size(ne, ns), 0);
+        ggml_moe_cache_state sa = ggml_moe_cache_state_flat(a.data(), ne, ns);
+        std::fill(sa.slot_of, sa.slot_of + ne, -1);
+        std::fill(sa.expert_of, sa.expert_of + ns, -1);
+        int32_t n_free = ns;
+        for (int32_t k = (int32_t) (rng() % (ns + 1)); k > 0; k--) {
+            const int32_t e = (int32_t) (rng() % ne), sl = (int32_t) (rng() % ns);
+            if (sa.slot_of[e] < 0 && sa.expert_of[sl] < 0) {
+                sa.slot_of[e] = sl;
+                sa.expert_of[sl] = e;
+                n_free--;
+            }
+        }
+        for (int32_t sl = 0; sl < ns; sl++) {
+            sa.ref[sl] = (int32_t) (rng() % 2);
+        }
+        *sa.hand   = rng() % 5 == 0 ? ns + (int32_t) (rng() % 3) : (int32_t) (rng() % ns);
+        *sa.n_free = n_free + (rng() % 10 == 0);
+        if (rng() % 20 == 0) {
+            sa.expert_of[rng() % ns] = ne;
+        }
+        std::vector<int32_t> ids(nt * nu);
+        for (int32_t & e : ids) {
+            e = (int32_t) (rng() % ne);
+        }
+        if (rng() % 20 == 0) {
+            ids[rng() % ids.size()] = rng() % 2 ? ne : -1;
+        }
+        std::vector<int32_t> b = a;
+        ggml_moe_cache_state sb = ggml_moe_cache_state_flat(b.data(), ne, ns);
+        int32_t status_a = 0, status_b = 0;
+        sa.status = &status_a;
+        sb.status = &status_b;
+        const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(ns);
+        std::vector<int32_t> slots_a(ids.size()), slots_b(ids.size()), tail_a(d.size, -1), tail_b(d.size, -1);
+        std::vector<uint8_t> scr_a(ggml_moe_cache_scratch_size(ne, ns), 0), scr_b(scr_a.size(), 0);
+        const ggml_moe_cache_scratch sca = ggml_moe_cache_scratch_at(scr_a.data(), ne, ns);
+        const ggml_moe_cache_scratch scb = ggml_moe_cache_scratch_at(scr_b.data(), ne, ns);
+
+        const int32_t ra = ggml_moe_cache_lookup_to_dst(&sa, sca, ids.data(), nt, nu, nu, slots_a.data(), tail_a.data());
+
+        const int32_t n_threads = 1 + (int32_t) (rng() % 40);
+        int32_t n_distinct = 0;
+        int32_t rb = ggml_moe_cache_lookup_begin(&sb, scb, ids.data(), nt, nu, nu, slots_b.data(), &n_distinct);
+        if (rb == 0) {
+            int32_t total_free = 0, any_bad = 0;
+            for (int32_t t = 0; t < n_threads; t++) {
+                int32_t nf = 0, bad = 0;
+                ggml_moe_cache_check_slots(&sb, t, n_threads, &nf, &bad);
+                total_free += nf;
+                any_bad = any_bad || bad;
+            }
+            rb = ggml_moe_cache_lookup_end(&sb, scb, ids.data(), nt, nu, nu, n_distinct, total_free, any_bad, slots_b.data(),
+                    tail_b.data() + d.fill_expert, tail_b.data() + d.fill_slot, tail_b.data() + d.evicted);
+        }
+        ggml_moe_cache_lookup_record(&sb, tail_b.data(), rb, ggml_moe_cache_distinct_reported(rb, n_distinct));
+
+        CHECK(ra == rb && a == b && slots_a == slots_b && tail_a == tail_b && status_a == status_b && scr_a == scr_b,
+                "case %d (%d experts, %d slots, %d threads): result %d against %d", it, ne, ns, n_threads, ra, rb);
+        n_paths[ra < 0 ? -ra : (ra == 0 ? 4 : 5)]++;
+    }
+    // every path was taken: overflow, bad id, bad state, all hits, fills
+    CHECK(n_paths[1] > 0 && n_paths[2] > 0 && n_paths[3] > 0 && n_paths[4] > 0 && n_paths[5] > 0,
+            "paths %d %d %d %d %d", n_paths[1], n_paths[2], n_paths[3], n_paths[4], n_paths[5]);
+}
+
 int main(int argc, char ** argv) {
     struct test_case {
         const char * name;
@@ -1350,6 +1426,7 @@ int main(int argc, char ** argv) {
         { "seed-ref-bits",           seed_ref_bits },
         { "profile-counts",          profile_counts },
         { "profile-preload",         profile_preload },
+        { "lookup-split-check",      lookup_split_check },
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s CASE|all|sim|first-tokens|list\n", argv[0]);

@@ -209,15 +209,16 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cach
     return -1;
 }
 
-// ids: routed expert of token t at ids[t * stride + j], j < n_used, each in [0, n_expert). Writes slot_ids[t * n_used
-// + j] and, per miss in the order taken, fill_expert / fill_slot / evicted (the expert the slot held, -1: free), at
-// most n_slots of them. Returns the misses (fills), or -1 on overflow (or -2 / -3, see above): the state is unchanged
-// and slot_ids all 0.
-GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cache_state * st,
-        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids,
-        int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted, int32_t * n_distinct_out) {
-    uint8_t * seen   = sc.marks;
-    uint8_t * pinned = sc.marks + st->n_expert;
+// A lookup runs in three phases, so that a device can split the middle one, the only one that visits every slot, over
+// its threads; ggml_moe_cache_lookup_slots runs them in turn, and a device that splits the middle one computes the same.
+//
+// Phase 1, ggml_moe_cache_lookup_begin (one thread): the routed ids checked and the slot ids zeroed, the distinct
+// experts in order of first appearance (their marks set), a hand out of range taken as 0. Returns 0 to go on, else the
+// lookup's result: -2 (an id out of range) or -1 (overflow; *n_distinct_out then counts every distinct expert), the
+// state unchanged but for the hand, no mark set.
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_begin(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids, int32_t * n_distinct_out) {
+    uint8_t * seen = sc.marks;
     *n_distinct_out = 0;
     int bad_id = 0;
     for (int64_t t = 0; t < n_tokens; t++) {
@@ -268,15 +269,35 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cach
         *n_distinct_out = n;
         return -1;
     }
-    // a state the lookup may trust, checked before anything changes: the free slots as counted, every slot's expert
-    // in range, every hit's slot holding it (then a miss always finds a free slot or, the distinct experts being at
-    // most the slots, a victim)
-    int32_t n_free = 0;
-    int     bad    = 0;
-    for (int32_t s = 0; s < st->n_slots; s++) {
-        n_free += st->expert_of[s] < 0;
-        bad = bad || st->expert_of[s] < -1 || st->expert_of[s] >= st->n_expert;
+    *n_distinct_out = n_distinct;
+    return 0;
+}
+
+// Phase 2 (any split of the slots over threads, reads only): the slots first, first + step, ... of the state's check;
+// adds their free slots to *n_free and sets *bad where one holds an expert out of range
+GGML_MOE_CACHE_FN void ggml_moe_cache_check_slots(const struct ggml_moe_cache_state * st, int32_t first, int32_t step,
+        int32_t * n_free, int32_t * bad) {
+    int32_t nf = 0;
+    int     b  = 0;
+    for (int32_t s = first; s < st->n_slots; s += step) {
+        nf += st->expert_of[s] < 0;
+        b = b || st->expert_of[s] < -1 || st->expert_of[s] >= st->n_expert;
     }
+    *n_free += nf;
+    *bad    = *bad || b;
+}
+
+// Phase 3 (one thread): n_free and bad, the totals of phase 2 over every slot. A state the lookup may trust (the free
+// slots as counted, every slot's expert in range, every hit's slot holding it), checked before anything changes; then
+// the hits, the misses (each in its own slot if free, else the lowest free, else by CLOCK), the slot ids and the use
+// counts, and the marks cleared. Returns the fills, or -3 (an inconsistent state: nothing changed).
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_end(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t n_distinct, int32_t n_free, int32_t bad,
+        int32_t * slot_ids, int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted) {
+    uint8_t * seen   = sc.marks;
+    uint8_t * pinned = sc.marks + st->n_expert;
+    // every hit's slot holds it (then a miss always finds a free slot or, the distinct experts being at most the
+    // slots, a victim)
     for (int32_t i = 0; i < n_distinct; i++) {
         const int32_t s = st->slot_of[sc.distinct[i]];
         bad = bad || s < -1 || s >= st->n_slots || (s >= 0 && st->expert_of[s] != sc.distinct[i]);
@@ -332,19 +353,39 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cach
         seen[sc.distinct[i]] = 0;
         pinned[st->slot_of[sc.distinct[i]]] = 0;
     }
-    *n_distinct_out = n_distinct;
     return n_fills;
 }
 
-// the lookup into the op's tensor: slot_ids and the tail as above; the tail's fill entries must be -1 on entry (the
-// lookup writes only the fills it takes), so that a device can set them with all its threads
-GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cache_state * st,
-        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
-        int32_t * slot_ids, int32_t * tail) {
-    const struct ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(st->n_slots);
+// the distinct experts a lookup reports: those of a lookup that planned, and of an overflow; none for bad input
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_distinct_reported(int32_t res, int32_t n_distinct) {
+    return res >= 0 || res == -1 ? n_distinct : 0;
+}
+
+// ids: routed expert of token t at ids[t * stride + j], j < n_used, each in [0, n_expert). Writes slot_ids[t * n_used
+// + j] and, per miss in the order taken, fill_expert / fill_slot / evicted (the expert the slot held, -1: free), at
+// most n_slots of them. Returns the misses (fills), or -1 on overflow (or -2 / -3, see above): the state is unchanged
+// and slot_ids all 0. The three phases on one thread.
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cache_state * st,
+        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids,
+        int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted, int32_t * n_distinct_out) {
     int32_t n_distinct = 0;
-    const int32_t res = ggml_moe_cache_lookup_slots(st, sc, ids, n_tokens, n_used, stride, slot_ids,
-            tail + d.fill_expert, tail + d.fill_slot, tail + d.evicted, &n_distinct);
+    int32_t res = ggml_moe_cache_lookup_begin(st, sc, ids, n_tokens, n_used, stride, slot_ids, &n_distinct);
+    if (res == 0) {
+        int32_t n_free = 0;
+        int32_t bad    = 0;
+        ggml_moe_cache_check_slots(st, 0, 1, &n_free, &bad);
+        res = ggml_moe_cache_lookup_end(st, sc, ids, n_tokens, n_used, stride, n_distinct, n_free, bad, slot_ids,
+                fill_expert, fill_slot, evicted);
+    }
+    *n_distinct_out = ggml_moe_cache_distinct_reported(res, n_distinct);
+    return res;
+}
+
+// what a lookup leaves besides the slots and fills: its result and distinct experts in the tail, what it counts, and a
+// refusal in the status word; n_distinct as ggml_moe_cache_lookup_slots reports it
+GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_record(const struct ggml_moe_cache_state * st, int32_t * tail, int32_t res,
+        int32_t n_distinct) {
+    const struct ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(st->n_slots);
     tail[d.result]     = res;
     tail[d.n_distinct] = n_distinct;
     if (st->counters) {
@@ -364,6 +405,18 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cac
     if (st->status && res < 0) {
         *st->status += *st->status < 0x7fffffff;
     }
+}
+
+// the lookup into the op's tensor: slot_ids and the tail as above; the tail's fill entries must be -1 on entry (the
+// lookup writes only the fills it takes), so that a device can set them with all its threads
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cache_state * st,
+        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        int32_t * slot_ids, int32_t * tail) {
+    const struct ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(st->n_slots);
+    int32_t n_distinct = 0;
+    const int32_t res = ggml_moe_cache_lookup_slots(st, sc, ids, n_tokens, n_used, stride, slot_ids,
+            tail + d.fill_expert, tail + d.fill_slot, tail + d.evicted, &n_distinct);
+    ggml_moe_cache_lookup_record(st, tail, res, n_distinct);
     return res;
 }
 
