@@ -319,16 +319,18 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None, log: str
     into it), and one with larger ubatches but a shorter prompt has the arena and uploads nothing ahead. An expert
     cache that filled every cached layer whole when it was made (by the candidate's log) leaves no host weight for a
     GPU split to read in the cells' placements (only experts are on the host, all of them cached and read in place):
-    no arena, nothing uploaded."""
+    no arena, nothing uploaded; but not with LLAMA_MOE_CACHE_PROBE=2, which reads no layer in place."""
     prompt = (stats or {}).get("prompt", {})
     min_batch = prefetch_min_batch(env)
     cached = prompt.get("cache_layers", 0)
-    all_in_place = cached > 0 and filled_whole_layers(log) == cached
+    all_in_place = cached > 0 and filled_whole_layers(log) == cached and env.get("LLAMA_MOE_CACHE_PROBE", "0") != "2"
     staging = cell.ubatch >= min_batch and not all_in_place
     ahead = staging and cell.prompt_tokens >= min_batch
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
-    # the expert cache writes the staged copies of its layers' experts itself, uploads the scheduler leaves out
-    uploads += prompt.get("cache_prompt", {}).get("n_misses", 0)
+    # the expert cache writes the staged copies of its layers' experts itself, uploads the scheduler leaves out: the
+    # misses from the host, the residents from the banks
+    cache_prompt = prompt.get("cache_prompt", {})
+    uploads += cache_prompt.get("n_misses", 0) + cache_prompt.get("n_hits", 0)
     ok = (arena > 0) == staging and (uploads > 0) == ahead
     return Check("prefetch", ok, {"expect_staging": staging, "expect_uploads_ahead": ahead, "all_in_place": all_in_place,
                                   **prompt})

@@ -13,51 +13,97 @@
 #define CUDA_MOE_CACHE_FILL_BLOCK_SIZE 256
 #define CUDA_MOE_CACHE_FILL_CHUNK      (64 * 1024) // bytes of an expert per block, about
 
-static __global__ void moe_cache_fill_kernel(const char * __restrict__ host, const int64_t host_nb, const int64_t n_expert,
-        char * __restrict__ bank, const int64_t slot_nb, const int64_t nbytes, const int32_t * __restrict__ tail,
-        const int32_t n_slots, const int32_t skip_first) {
+// one bank's fill as the kernel reads it: where the host experts are read (in place, or a device copy), the bank
+struct moe_cache_fill_bank {
+    const char * host;
+    int64_t      host_nb;
+    int64_t      n_expert;
+    char       * bank;
+    int64_t      nbytes;     // one slot of the bank, one expert of the host tensor
+    int32_t      skip_first;
+};
+
+// the fills of one lookup into up to CUDA_MOE_CACHE_FILL_MAX_BANKS banks (gate, up, down and their biases), passed by
+// value so that one launch serves them all: blockIdx.z the bank, blockIdx.y the fill, blockIdx.x a chunk of it
+struct moe_cache_fill_banks {
+    moe_cache_fill_bank bank[CUDA_MOE_CACHE_FILL_MAX_BANKS];
+};
+
+static __global__ void moe_cache_fill_kernel(const moe_cache_fill_banks banks, const int32_t * __restrict__ tail,
+        const int32_t n_slots) {
     const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(n_slots);
+    const moe_cache_fill_bank & b = banks.bank[blockIdx.z];
     const int32_t n_fills = tail[d.result];
     const int32_t i       = blockIdx.y;
-    if (i >= n_fills || (i == 0 && skip_first)) {
+    if (i >= n_fills || (i == 0 && b.skip_first)) {
         return; // also an overflow or a bad input (negative): nothing was taken
     }
     // read like indices: an entry out of range (a tail written by anyone but the lookup) is left out
     const int32_t e = tail[d.fill_expert + i];
     const int32_t s = tail[d.fill_slot + i];
-    if (e < 0 || e >= n_expert || s < 0 || s >= n_slots) {
+    if (e < 0 || e >= b.n_expert || s < 0 || s >= n_slots) {
         return;
     }
-    const char * __restrict__ src = host + (int64_t) e * host_nb;
-    char * __restrict__       out = bank + (int64_t) s * slot_nb;
-
-    ggml_cuda_copy_bytes(out, src, (size_t) nbytes, (size_t) blockIdx.x * blockDim.x + threadIdx.x,
-            (size_t) gridDim.x * blockDim.x);
+    ggml_cuda_copy_bytes(b.bank + (int64_t) s * b.nbytes, b.host + (int64_t) e * b.host_nb, (size_t) b.nbytes,
+            (size_t) blockIdx.x * blockDim.x + threadIdx.x, (size_t) gridDim.x * blockDim.x);
 }
 
-void ggml_cuda_op_moe_cache_fill(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const ggml_tensor * lookup = dst->src[0];
-    const ggml_tensor * host   = dst->src[1];
-    const ggml_moe_cache_fill_params p = ggml_moe_cache_fill_params_of((const int32_t *) dst->op_params);
+int ggml_cuda_moe_cache_fill_run(const ggml_cgraph * cgraph, int i) {
+    const ggml_tensor * first = cgraph->nodes[i];
+    const ggml_moe_cache_fill_params p0 = ggml_moe_cache_fill_params_of((const int32_t *) first->op_params);
+    int n = 0;
+    while (i + n < cgraph->n_nodes && n < CUDA_MOE_CACHE_FILL_MAX_BANKS) {
+        const ggml_tensor * node = cgraph->nodes[i + n];
+        if (node->op != GGML_OP_MOE_CACHE_FILL || node->src[0] != first->src[0] ||
+                (node->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
+            break;
+        }
+        // the same fill list: slots, where the lookup left it, the most it may hold
+        const ggml_moe_cache_fill_params p = ggml_moe_cache_fill_params_of((const int32_t *) node->op_params);
+        if (p.n_slots != p0.n_slots || p.tail != p0.tail || p.max_fills != p0.max_fills) {
+            break;
+        }
+        n++;
+    }
+    return n;
+}
 
-    const int64_t nbytes = (int64_t) (ggml_nbytes(dst) / p.n_slots); // one slot of the bank
-    GGML_ASSERT(ggml_is_contiguous(dst) && ggml_is_contiguous(lookup));
-    GGML_ASSERT(ggml_nelements(lookup) >= p.tail + ggml_moe_cache_tail_layout_of(p.n_slots).size);
+void ggml_cuda_op_moe_cache_fill(ggml_backend_cuda_context & ctx, ggml_tensor * const * fills, int n_fills) {
+    GGML_ASSERT(n_fills >= 1 && n_fills <= CUDA_MOE_CACHE_FILL_MAX_BANKS);
+    const ggml_tensor * lookup = fills[0]->src[0];
+    const ggml_moe_cache_fill_params p0 = ggml_moe_cache_fill_params_of((const int32_t *) fills[0]->op_params);
+    GGML_ASSERT(ggml_is_contiguous(lookup));
+    GGML_ASSERT(ggml_nelements(lookup) >= p0.tail + ggml_moe_cache_tail_layout_of(p0.n_slots).size);
+    // a lookup takes at most a fill per distinct expert: per routed id, and per slot (max_fills); a row of blocks each
+    GGML_ASSERT(p0.max_fills >= 1 && p0.max_fills <= 65535);
 
-    // host memory this device maps, read in place (the scheduler copied it here otherwise), or the device's own memory
-    const char * src = (const char *) host->data;
-    if (host->buffer != nullptr && ggml_backend_buffer_is_host(host->buffer)) {
-        src = (const char *) ggml_cuda_host_read_ptr(ctx.device, host->buffer, host->data, ggml_nbytes(host));
-        GGML_ASSERT(src != nullptr && "the fill's host experts are not memory the device maps");
+    moe_cache_fill_banks banks = {};
+    int64_t n_chunks = 1;
+    for (int k = 0; k < n_fills; k++) {
+        const ggml_tensor * dst  = fills[k];
+        const ggml_tensor * host = dst->src[1];
+        const ggml_moe_cache_fill_params p = ggml_moe_cache_fill_params_of((const int32_t *) dst->op_params);
+        GGML_ASSERT(dst->src[0] == lookup && p.n_slots == p0.n_slots && p.tail == p0.tail && p.max_fills == p0.max_fills);
+        GGML_ASSERT(ggml_is_contiguous(dst));
+
+        // host memory this device maps, read in place (the scheduler copied it here otherwise), or device memory
+        const char * src = (const char *) host->data;
+        if (host->buffer != nullptr && ggml_backend_buffer_is_host(host->buffer)) {
+            src = (const char *) ggml_cuda_host_read_ptr(ctx.device, host->buffer, host->data, ggml_nbytes(host));
+            GGML_ASSERT(src != nullptr && "the fill's host experts are not memory the device maps");
+        }
+        moe_cache_fill_bank & b = banks.bank[k];
+        b.host       = src;
+        b.host_nb    = (int64_t) host->nb[p.expert_dim];
+        b.n_expert   = host->ne[p.expert_dim];
+        b.bank       = (char *) dst->data;
+        b.nbytes     = (int64_t) (ggml_nbytes(dst) / p.n_slots);
+        b.skip_first = p.skip_first;
+        n_chunks = std::max<int64_t>(n_chunks, std::min<int64_t>(64, b.nbytes / CUDA_MOE_CACHE_FILL_CHUNK));
     }
 
-    // a lookup takes at most a fill per distinct expert: per routed id, and per slot (max_fills); a row of blocks each
-    const int64_t n_chunks = std::max<int64_t>(1, std::min<int64_t>(64, nbytes / CUDA_MOE_CACHE_FILL_CHUNK));
-    GGML_ASSERT(p.max_fills >= 1 && p.max_fills <= 65535);
-
-    const dim3 grid((unsigned) n_chunks, (unsigned) p.max_fills, 1);
-    moe_cache_fill_kernel<<<grid, CUDA_MOE_CACHE_FILL_BLOCK_SIZE, 0, ctx.stream()>>>(src, (int64_t) host->nb[p.expert_dim],
-            host->ne[p.expert_dim], (char *) dst->data, nbytes, nbytes, (const int32_t *) lookup->data + p.tail, p.n_slots,
-            p.skip_first);
+    const dim3 grid((unsigned) n_chunks, (unsigned) p0.max_fills, (unsigned) n_fills);
+    moe_cache_fill_kernel<<<grid, CUDA_MOE_CACHE_FILL_BLOCK_SIZE, 0, ctx.stream()>>>(banks,
+            (const int32_t *) lookup->data + p0.tail, p0.n_slots);
     CUDA_CHECK(cudaGetLastError());
 }
