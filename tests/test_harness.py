@@ -187,7 +187,7 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
     assert check.identical and check.detail == {"devices": ["SIM0"], "decode_path": "mixed", "whole": False,
                                                 "filled_whole": 0, "layer_steps": 1198, "hits": 1498, "misses": 3294, "in_place": 0,
                                                 "prompt_ubatches_ahead": 0, "prompt_layer_steps": 0, "prompt_reads": 0,
-                                                "prompt_fills": 0}
+                                                "prompt_fills": 0, "probe": 0}
     # the decode path the cell asked for, by the context's line per device: a cell that wanted the device lookup and
     # got the host-side plan (or no line at all) fails, and the other way round
     device = "0.01 I llama_moe: expert cache on SIM0: decode looks up its slots and fills its misses on the device"

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <list>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -1320,22 +1321,33 @@ static int first_tokens_sim() {
     return 0;
 }
 
-// The lookup's three phases with the state's check split over T threads (first t, step T, totals summed), as the CUDA
-// kernel runs them, leave what the whole lookup on one thread leaves: state, slot ids, tail, counters, status and marks,
-// over random states (consistent, a wrong free count, a slot holding an expert out of range, a hand out of range) and
-// routings (hits, misses, evictions, overflows, ids out of range)
+// The lookup's phases with the state's check split over T threads (first t, step T, totals summed) and each miss
+// taken apart, as the CUDA kernel runs them, leave what the whole lookup on one thread leaves: state, slot ids, tail,
+// counters, status and marks, over random states (consistent, full, a wrong free count, a slot holding an expert out of
+// range, a hand out of range; up to 300 slots, so CLOCK walks many windows) and routings (hits, misses, evictions,
+// overflows, ids out of range). And CLOCK's window walk against the walk a slot at a time.
 static void lookup_split_check() {
     std::mt19937 rng(7);
     int n_paths[6] = {};
     for (int it = 0; it < 20000; it++) {
-        const int32_t ne = 2 + (int32_t) (rng() % 96), ns = 1 + (int32_t) (rng() % ne);
+        const int32_t ne = 2 + (int32_t) (rng() % (it % 2 ? 64 : 300)), ns = 1 + (int32_t) (rng() % ne);
         const int32_t nu = 1 + (int32_t) (rng() % std::min(ne, 8)), nt = 1 + (int32_t) (rng() % 4);
         std::vector<int32_t> a(ggml_moe_cache_state_size(ne, ns), 0);
         ggml_moe_cache_state sa = ggml_moe_cache_state_flat(a.data(), ne, ns);
         std::fill(sa.slot_of, sa.slot_of + ne, -1);
         std::fill(sa.expert_of, sa.expert_of + ns, -1);
         int32_t n_free = ns;
-        for (int32_t k = (int32_t) (rng() % (ns + 1)); k > 0; k--) {
+        if (it % 3 == 0) { // every slot taken: misses evict
+            std::vector<int32_t> perm(ne);
+            std::iota(perm.begin(), perm.end(), 0);
+            std::shuffle(perm.begin(), perm.end(), rng);
+            for (int32_t sl = 0; sl < ns; sl++) {
+                sa.slot_of[perm[sl]] = sl;
+                sa.expert_of[sl]     = perm[sl];
+            }
+            n_free = 0;
+        }
+        for (int32_t k = it % 3 == 0 ? 0 : (int32_t) (rng() % (ns + 1)); k > 0; k--) {
             const int32_t e = (int32_t) (rng() % ne), sl = (int32_t) (rng() % ns);
             if (sa.slot_of[e] < 0 && sa.expert_of[sl] < 0) {
                 sa.slot_of[e] = sl;
@@ -1382,8 +1394,20 @@ static void lookup_split_check() {
                 total_free += nf;
                 any_bad = any_bad || bad;
             }
-            rb = ggml_moe_cache_lookup_end(&sb, scb, ids.data(), nt, nu, nu, n_distinct, total_free, any_bad, slots_b.data(),
-                    tail_b.data() + d.fill_expert, tail_b.data() + d.fill_slot, tail_b.data() + d.evicted);
+            // phase 3 as the kernel runs it: the hits, each miss's slot (a warp's pick there), the rest
+            rb = ggml_moe_cache_lookup_hits(&sb, scb, n_distinct, total_free, any_bad);
+            if (rb == 0) {
+                int32_t n_fills = 0;
+                for (int32_t i = 0; i < n_distinct; i++) {
+                    const int32_t e = scb.distinct[i];
+                    if (sb.slot_of[e] < 0) {
+                        ggml_moe_cache_lookup_take(&sb, scb, e, ggml_moe_cache_take_slot(&sb, scb, e),
+                                tail_b.data() + d.fill_expert, tail_b.data() + d.fill_slot, tail_b.data() + d.evicted, &n_fills);
+                    }
+                }
+                ggml_moe_cache_lookup_finish(&sb, scb, ids.data(), nt, nu, nu, n_distinct, slots_b.data());
+                rb = n_fills;
+            }
         }
         ggml_moe_cache_lookup_record(&sb, tail_b.data(), rb, ggml_moe_cache_distinct_reported(rb, n_distinct));
 
@@ -1394,6 +1418,35 @@ static void lookup_split_check() {
     // every path was taken: overflow, bad id, bad state, all hits, fills
     CHECK(n_paths[1] > 0 && n_paths[2] > 0 && n_paths[3] > 0 && n_paths[4] > 0 && n_paths[5] > 0,
             "paths %d %d %d %d %d", n_paths[1], n_paths[2], n_paths[3], n_paths[4], n_paths[5]);
+    // CLOCK a window at a time against CLOCK a slot at a time (the walk as first written): the same victim, hand and
+    // reference bits, from random marks over 1..300 slots, some with every slot pinned but one, some with every
+    // reference bit set (a second turn)
+    for (int it = 0; it < 20000; it++) {
+        const int32_t ns = 1 + (int32_t) (rng() % 300);
+        std::vector<int32_t> flat(ggml_moe_cache_state_size(ns, ns), 0);
+        ggml_moe_cache_state st = ggml_moe_cache_state_flat(flat.data(), ns, ns);
+        std::vector<uint8_t> pinned(ns);
+        for (int32_t sl = 0; sl < ns; sl++) {
+            pinned[sl]  = it % 4 == 1 ? 1 : (uint8_t) (rng() % 3 == 0);
+            st.ref[sl]  = it % 4 == 2 ? 1 : (int32_t) (rng() % 2);
+        }
+        pinned[rng() % ns] = 0; // one slot at least is not pinned
+        *st.hand = (int32_t) (rng() % ns);
+        std::vector<int32_t> ref_walk(st.ref, st.ref + ns);
+        int32_t hand_walk = *st.hand, victim_walk = -1;
+        for (int32_t step = 0; step < 2 * ns + 1 && victim_walk < 0; step++) {
+            const int32_t sl = hand_walk;
+            hand_walk = sl + 1 == ns ? 0 : sl + 1;
+            if (!pinned[sl] && ref_walk[sl]) {
+                ref_walk[sl] = 0;
+            } else if (!pinned[sl]) {
+                victim_walk = sl;
+            }
+        }
+        const int32_t victim = ggml_moe_cache_clock_victim(&st, pinned.data());
+        CHECK(victim == victim_walk && *st.hand == hand_walk && std::equal(ref_walk.begin(), ref_walk.end(), st.ref),
+                "CLOCK case %d (%d slots): victim %d against %d", it, ns, victim, victim_walk);
+    }
 }
 
 int main(int argc, char ** argv) {

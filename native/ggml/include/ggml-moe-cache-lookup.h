@@ -191,21 +191,70 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_free_slot(const struct ggml_moe_cache_s
     return -1;
 }
 
-// CLOCK: at least one slot is not pinned (the caller checked the distinct experts against the slots), so two turns of
-// the hand always find one
-GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cache_state * st, const uint8_t * pinned) {
-    for (int32_t step = 0; step < 2 * st->n_slots + 1; step++) {
-        const int32_t s = *st->hand;
-        *st->hand = s + 1 == st->n_slots ? 0 : s + 1;
-        if (pinned[s]) {
-            continue;
-        }
-        if (st->ref[s]) {
-            st->ref[s] = 0;
-            continue;
-        }
-        return s;
+// the lowest set bit of a nonzero word
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_ctz(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+    return __ffs((int) x) - 1;
+#elif defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctz(x);
+#else
+    int32_t n = 0;
+    while (!(x & 1u)) {
+        x >>= 1;
+        n++;
     }
+    return n;
+#endif
+}
+
+// the slots CLOCK walks at a time: a word of marks, so that a warp can take a window in one step
+#define GGML_MOE_CACHE_WINDOW 32
+
+// CLOCK over one window of its walk: bit k < len stands for the k-th slot the hand comes to in the window, pin and ref
+// for their pinned marks and reference bits as the walk finds them. Returns the victim's bit, or -1 where the window
+// has none; *clear: the reference bits the walk clears on its way (pinned slots are passed untouched)
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_window(uint32_t pin, uint32_t ref, int32_t len, uint32_t * clear) {
+    const uint32_t valid = len >= 32 ? 0xffffffffu : (1u << len) - 1;
+    const uint32_t cand  = ~pin & ~ref & valid;
+    if (cand == 0) {
+        *clear = ~pin & ref & valid;
+        return -1;
+    }
+    const int32_t v = ggml_moe_cache_ctz(cand);
+    *clear = ~pin & ref & ((1u << v) - 1);
+    return v;
+}
+
+// CLOCK: at least one slot is not pinned (the caller checked the distinct experts against the slots), so two turns of
+// the hand always find one. The walk a window at a time, never across a turn (a turn clears what the next one reads)
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cache_state * st, const uint8_t * pinned) {
+    const int32_t n    = st->n_slots;
+    const int32_t hand = *st->hand;
+    for (int32_t turn = 0; turn < 2; turn++) {
+        for (int32_t off = 0; off < n; off += GGML_MOE_CACHE_WINDOW) {
+            const int32_t len = n - off < GGML_MOE_CACHE_WINDOW ? n - off : GGML_MOE_CACHE_WINDOW;
+            uint32_t pin = 0;
+            uint32_t ref = 0;
+            for (int32_t k = 0; k < len; k++) {
+                const int32_t s = (hand + off + k) % n;
+                pin |= (uint32_t) (pinned[s] != 0) << k;
+                ref |= (uint32_t) (st->ref[s] != 0) << k;
+            }
+            uint32_t clear = 0;
+            const int32_t v = ggml_moe_cache_clock_window(pin, ref, len, &clear);
+            for (int32_t k = 0; k < len; k++) {
+                if (clear >> k & 1u) {
+                    st->ref[(hand + off + k) % n] = 0;
+                }
+            }
+            if (v >= 0) {
+                const int32_t s = (hand + off + v) % n;
+                *st->hand = s + 1 == n ? 0 : s + 1;
+                return s;
+            }
+        }
+    }
+    *st->hand = hand + 1 == n ? 0 : hand + 1; // where 2 n + 1 steps of the hand would have left it
     return -1;
 }
 
@@ -287,13 +336,15 @@ GGML_MOE_CACHE_FN void ggml_moe_cache_check_slots(const struct ggml_moe_cache_st
     *bad    = *bad || b;
 }
 
-// Phase 3 (one thread): n_free and bad, the totals of phase 2 over every slot. A state the lookup may trust (the free
-// slots as counted, every slot's expert in range, every hit's slot holding it), checked before anything changes; then
-// the hits, the misses (each in its own slot if free, else the lowest free, else by CLOCK), the slot ids and the use
-// counts, and the marks cleared. Returns the fills, or -3 (an inconsistent state: nothing changed).
-GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_end(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
-        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t n_distinct, int32_t n_free, int32_t bad,
-        int32_t * slot_ids, int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted) {
+// Phase 3 (one thread but for the choice of each miss's slot): n_free and bad, the totals of phase 2 over every slot.
+// ggml_moe_cache_lookup_hits: a state the lookup may trust (the free slots as counted, every slot's expert in range,
+// every hit's slot holding it), checked before anything changes, then the hits referenced and pinned; returns 0 to go
+// on, or -3 (an inconsistent state: nothing changed, the marks cleared). Then each distinct expert that missed, in
+// order, takes the slot ggml_moe_cache_take_slot picks (its own if free, else the lowest free, else by CLOCK; a device
+// may pick the same slot with all the threads of a warp), recorded by ggml_moe_cache_lookup_take. Then
+// ggml_moe_cache_lookup_finish: the slot ids, the use counts, the marks cleared.
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_hits(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        int32_t n_distinct, int32_t n_free, int32_t bad) {
     uint8_t * seen   = sc.marks;
     uint8_t * pinned = sc.marks + st->n_expert;
     // every hit's slot holds it (then a miss always finds a free slot or, the distinct experts being at most the
@@ -316,28 +367,35 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_end(const struct ggml_moe_cache_
             pinned[s]  = 1;
         }
     }
-    int32_t n_fills = 0;
-    for (int32_t i = 0; i < n_distinct; i++) {
-        const int32_t e = sc.distinct[i];
-        if (st->slot_of[e] >= 0) {
-            continue;
-        }
-        const int32_t s   = *st->n_free > 0 ? ggml_moe_cache_free_slot(st, e) : ggml_moe_cache_clock_victim(st, pinned);
-        const int32_t old = st->expert_of[s];
-        if (old >= 0) {
-            st->slot_of[old] = -1;
-        } else {
-            (*st->n_free)--;
-        }
-        st->expert_of[s] = e;
-        st->slot_of[e]   = s;
-        st->ref[s]       = 1;
-        pinned[s]        = 1;
-        fill_expert[n_fills] = e;
-        fill_slot[n_fills]   = s;
-        evicted[n_fills]     = old;
-        n_fills++;
+    return 0;
+}
+
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_take_slot(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        int32_t e) {
+    return *st->n_free > 0 ? ggml_moe_cache_free_slot(st, e) : ggml_moe_cache_clock_victim(st, sc.marks + st->n_expert);
+}
+
+// expert e takes slot s: the fill recorded as the (*n_fills)-th
+GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_take(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        int32_t e, int32_t s, int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted, int32_t * n_fills) {
+    const int32_t old = st->expert_of[s];
+    if (old >= 0) {
+        st->slot_of[old] = -1;
+    } else {
+        (*st->n_free)--;
     }
+    st->expert_of[s] = e;
+    st->slot_of[e]   = s;
+    st->ref[s]       = 1;
+    sc.marks[st->n_expert + s] = 1; // pinned
+    fill_expert[*n_fills] = e;
+    fill_slot[*n_fills]   = s;
+    evicted[*n_fills]     = old;
+    (*n_fills)++;
+}
+
+GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_finish(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t n_distinct, int32_t * slot_ids) {
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int32_t j = 0; j < n_used; j++) {
             slot_ids[t * n_used + j] = st->slot_of[ids[t * stride + j]];
@@ -350,9 +408,27 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_end(const struct ggml_moe_cache_
         }
     }
     for (int32_t i = 0; i < n_distinct; i++) {
-        seen[sc.distinct[i]] = 0;
-        pinned[st->slot_of[sc.distinct[i]]] = 0;
+        sc.marks[sc.distinct[i]] = 0;                                   // seen
+        sc.marks[st->n_expert + st->slot_of[sc.distinct[i]]] = 0;       // pinned
     }
+}
+
+// phase 3 on one thread: returns the fills, or -3
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_end(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t n_distinct, int32_t n_free, int32_t bad,
+        int32_t * slot_ids, int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted) {
+    if (ggml_moe_cache_lookup_hits(st, sc, n_distinct, n_free, bad) != 0) {
+        return -3;
+    }
+    int32_t n_fills = 0;
+    for (int32_t i = 0; i < n_distinct; i++) {
+        const int32_t e = sc.distinct[i];
+        if (st->slot_of[e] < 0) {
+            ggml_moe_cache_lookup_take(st, sc, e, ggml_moe_cache_take_slot(st, sc, e), fill_expert, fill_slot, evicted,
+                    &n_fills);
+        }
+    }
+    ggml_moe_cache_lookup_finish(st, sc, ids, n_tokens, n_used, stride, n_distinct, slot_ids);
     return n_fills;
 }
 

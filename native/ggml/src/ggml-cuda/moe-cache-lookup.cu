@@ -1,9 +1,10 @@
 // moe-cache-lookup.cu: the expert cache's decode lookup as one kernel of one block, pyllama_moe.
 //
 // The lookup is sequential (each miss takes what the misses before it left), so one thread runs it, the one C
-// implementation the CPU and the host-side plan run (ggml-moe-cache-lookup.h), but for the state's check over every
-// slot, which the block splits; the block also moves the layer's state into shared memory and back, so that the
-// thread's many small reads and writes hit shared memory and not global memory. Shared memory holds what depends on the layer alone (state, the tail of fills, the
+// implementation the CPU and the host-side plan run (ggml-moe-cache-lookup.h), but for the parts that visit every
+// slot: the state's check, which the block splits, and each miss's pick of a slot, which a warp makes 32 slots a step;
+// the block also moves the layer's state into shared memory and back, so that the many small reads and writes hit
+// shared memory and not global memory. Shared memory holds what depends on the layer alone (state, the tail of fills, the
 // scratch), so whether a layer is supported does not change with the batch; the slot ids, one per routed id, go
 // straight to global memory. One launch of a fixed shape, no allocation and no host synchronization: capturable in a
 // CUDA graph, and the state stays on the device from one token to the next.
@@ -18,12 +19,58 @@ static int64_t moe_cache_lookup_shared_ints(int32_t n_expert, int32_t n_slots) {
     return ggml_moe_cache_state_size(n_expert, n_slots) + ggml_moe_cache_tail_layout_of(n_slots).size;
 }
 
-// the dynamic shared memory of a launch; the kernel's own three words of the phases' results (16 bytes as laid out) come
-// on top
-#define CUDA_MOE_CACHE_LOOKUP_STATIC_SHARED 16
+// the dynamic shared memory of a launch; the kernel's own three words of the phases' results come on top
+#define CUDA_MOE_CACHE_LOOKUP_STATIC_SHARED (3 * sizeof(int32_t))
 
 static size_t moe_cache_lookup_shared_size(int32_t n_expert, int32_t n_slots) {
     return moe_cache_lookup_shared_ints(n_expert, n_slots) * sizeof(int32_t) + ggml_moe_cache_scratch_size(n_expert, n_slots);
+}
+
+// ggml_moe_cache_take_slot with the 32 lanes of a warp (every lane returns the slot): the lowest free slot, or CLOCK a
+// window of 32 slots at a time, each window's marks gathered by a ballot and judged by ggml_moe_cache_clock_window, the
+// one judgement the C lookup makes (its windows gathered by a loop), so the slot and the reference bits it clears are
+// the same
+static __device__ int32_t moe_cache_take_slot_warp(const ggml_moe_cache_state & st, const ggml_moe_cache_scratch & sc,
+        const int32_t e) {
+    const int32_t  lane   = threadIdx.x % WARP_SIZE;
+    const int32_t  n      = st.n_slots;
+    const uint8_t * pinned = sc.marks + st.n_expert;
+    if (*st.n_free > 0) {
+        if (e < n && st.expert_of[e] < 0) {
+            return e;
+        }
+        for (int32_t off = 0; off < n; off += WARP_SIZE) {
+            const uint32_t free = __ballot_sync(0xffffffff, off + lane < n && st.expert_of[off + lane] < 0);
+            if (free != 0) {
+                return off + ggml_moe_cache_ctz(free);
+            }
+        }
+        return -1;
+    }
+    const int32_t hand = *st.hand;
+    int32_t victim = -1;
+    for (int32_t turn = 0; turn < 2 && victim < 0; turn++) {
+        for (int32_t off = 0; off < n && victim < 0; off += GGML_MOE_CACHE_WINDOW) {
+            const int32_t  len = min(n - off, GGML_MOE_CACHE_WINDOW);
+            const int32_t  s   = (hand + off + lane) % n;
+            const bool     in  = lane < len;
+            const uint32_t pin = __ballot_sync(0xffffffff, in && pinned[s] != 0);
+            const uint32_t ref = __ballot_sync(0xffffffff, in && st.ref[s] != 0);
+            uint32_t clear = 0;
+            const int32_t v = ggml_moe_cache_clock_window(pin, ref, len, &clear);
+            if (in && (clear >> lane & 1u)) {
+                st.ref[s] = 0;
+            }
+            __syncwarp();
+            victim = v >= 0 ? (hand + off + v) % n : -1;
+        }
+    }
+    if (lane == 0) {
+        const int32_t last = victim >= 0 ? victim : hand; // where 2 n + 1 steps would have left the hand
+        *st.hand = last + 1 == n ? 0 : last + 1;
+    }
+    __syncwarp();
+    return victim;
 }
 
 // state: the lookup's tensor, [state | tail | slot_ids] (ggml_moe_cache_tensor_layout_of); the state and the tail are
@@ -60,9 +107,10 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
     const ggml_moe_cache_tail_layout d  = ggml_moe_cache_tail_layout_of(n_slots);
     int32_t * slot_ids = state + t.slot_ids;
 
-    // the lookup's three phases (ggml-moe-cache-lookup.h): the one that visits every slot split over the block, the
-    // others on one thread, so the state and the tail end as ggml_moe_cache_lookup_to_dst leaves them
-    __shared__ int32_t s_res, s_n_distinct, s_n_free;
+    // the lookup's phases (ggml-moe-cache-lookup.h): the state's check over every slot split over the block, each
+    // miss's slot picked by the first warp, the rest on one thread, so the state and the tail end as
+    // ggml_moe_cache_lookup_to_dst leaves them
+    __shared__ int32_t s_res, s_n_distinct, s_n_free, s_n_fills;
     if (threadIdx.x == 0) {
         s_res    = ggml_moe_cache_lookup_begin(&st, sc, ids, n_tokens, n_used, stride, slot_ids, &s_n_distinct);
         s_n_free = 0;
@@ -76,10 +124,29 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
     }
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) {
-        int32_t res = s_res;
-        if (res == 0) {
-            res = ggml_moe_cache_lookup_end(&st, sc, ids, n_tokens, n_used, stride, s_n_distinct, s_n_free, bad, slot_ids,
-                    s_tail + d.fill_expert, s_tail + d.fill_slot, s_tail + d.evicted);
+        s_res     = s_res == 0 ? ggml_moe_cache_lookup_hits(&st, sc, s_n_distinct, s_n_free, bad) : s_res;
+        s_n_fills = 0;
+    }
+    __syncthreads();
+    if (s_res == 0 && threadIdx.x < WARP_SIZE) {
+        for (int32_t i = 0; i < s_n_distinct; i++) {
+            const int32_t e = sc.distinct[i];
+            if (st.slot_of[e] >= 0) {
+                continue; // a hit, or taken: the same answer in every lane (shared memory, written before __syncwarp)
+            }
+            const int32_t s = moe_cache_take_slot_warp(st, sc, e);
+            if (threadIdx.x == 0) {
+                ggml_moe_cache_lookup_take(&st, sc, e, s, s_tail + d.fill_expert, s_tail + d.fill_slot, s_tail + d.evicted,
+                        &s_n_fills);
+            }
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int32_t res = s_res == 0 ? s_n_fills : s_res;
+        if (s_res == 0) {
+            ggml_moe_cache_lookup_finish(&st, sc, ids, n_tokens, n_used, stride, s_n_distinct, slot_ids);
         }
         ggml_moe_cache_lookup_record(&st, s_tail, res, ggml_moe_cache_distinct_reported(res, s_n_distinct));
     }
