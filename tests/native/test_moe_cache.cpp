@@ -1418,6 +1418,24 @@ static void lookup_split_check() {
     // every path was taken: overflow, bad id, bad state, all hits, fills
     CHECK(n_paths[1] > 0 && n_paths[2] > 0 && n_paths[3] > 0 && n_paths[4] > 0 && n_paths[5] > 0,
             "paths %d %d %d %d %d", n_paths[1], n_paths[2], n_paths[3], n_paths[4], n_paths[5]);
+    // a state in which two slots hold one expert is refused (-3): taking the unpinned one for a miss would lose the
+    // other, and the lookup would read slot -1 for that expert
+    {
+        std::vector<int32_t> flat(ggml_moe_cache_state_size(8, 2), 0);
+        ggml_moe_cache_state st = ggml_moe_cache_state_flat(flat.data(), 8, 2);
+        std::fill(st.slot_of, st.slot_of + 8, -1);
+        st.slot_of[3] = 0;
+        st.expert_of[0] = st.expert_of[1] = 3;
+        *st.n_free = 0;
+        const std::vector<int32_t> ids = { 3, 5 };
+        std::vector<int32_t> slots(2), tail(ggml_moe_cache_tail_layout_of(2).size, -1);
+        std::vector<uint8_t> scratch(ggml_moe_cache_scratch_size(8, 2), 0);
+        const std::vector<int32_t> before = flat;
+        const int32_t r = ggml_moe_cache_lookup_to_dst(&st, ggml_moe_cache_scratch_at(scratch.data(), 8, 2), ids.data(), 1, 2, 2,
+                slots.data(), tail.data());
+        CHECK(r == -3 && flat[1] == before[1] && std::equal(st.slot_of, st.slot_of + 8, before.begin() + 2),
+                "a slot holding an expert held by another was taken: result %d", r);
+    }
     // CLOCK a window at a time against CLOCK a slot at a time (the walk as first written): the same victim, hand and
     // reference bits, from random marks over 1..300 slots, some with every slot pinned but one, some with every
     // reference bit set (a second turn)

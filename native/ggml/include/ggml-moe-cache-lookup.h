@@ -193,7 +193,7 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_free_slot(const struct ggml_moe_cache_s
 
 // the lowest set bit of a nonzero word
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_ctz(uint32_t x) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && !defined(__HIPCC__) // ROCm's headers define __CUDA_ARCH__ in host code too
     return __ffs((int) x) - 1;
 #elif defined(__GNUC__) || defined(__clang__)
     return __builtin_ctz(x);
@@ -323,14 +323,16 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_begin(const struct ggml_moe_cach
 }
 
 // Phase 2 (any split of the slots over threads, reads only): the slots first, first + step, ... of the state's check;
-// adds their free slots to *n_free and sets *bad where one holds an expert out of range
+// adds their free slots to *n_free and sets *bad where one holds an expert out of range, or an expert whose slot is
+// another (two slots holding one expert: evicting one would lose the other)
 GGML_MOE_CACHE_FN void ggml_moe_cache_check_slots(const struct ggml_moe_cache_state * st, int32_t first, int32_t step,
         int32_t * n_free, int32_t * bad) {
     int32_t nf = 0;
     int     b  = 0;
     for (int32_t s = first; s < st->n_slots; s += step) {
-        nf += st->expert_of[s] < 0;
-        b = b || st->expert_of[s] < -1 || st->expert_of[s] >= st->n_expert;
+        const int32_t e = st->expert_of[s];
+        nf += e < 0;
+        b = b || e < -1 || e >= st->n_expert || (e >= 0 && st->slot_of[e] != s);
     }
     *n_free += nf;
     *bad    = *bad || b;

@@ -29,6 +29,12 @@ struct moe_cache_fill_banks {
     moe_cache_fill_bank bank[CUDA_MOE_CACHE_FILL_MAX_BANKS];
 };
 
+// the blocks that share one fill of a bank: about CUDA_MOE_CACHE_FILL_CHUNK bytes each, 1 to 64
+static __host__ __device__ int64_t moe_cache_fill_chunks(int64_t nbytes) {
+    const int64_t n = nbytes / CUDA_MOE_CACHE_FILL_CHUNK;
+    return n < 1 ? 1 : n > 64 ? 64 : n;
+}
+
 static __global__ void moe_cache_fill_kernel(const moe_cache_fill_banks banks, const int32_t * __restrict__ tail,
         const int32_t n_slots) {
     const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(n_slots);
@@ -44,8 +50,13 @@ static __global__ void moe_cache_fill_kernel(const moe_cache_fill_banks banks, c
     if (e < 0 || e >= b.n_expert || s < 0 || s >= n_slots) {
         return;
     }
+    // the bank's own share of the row (the grid has the most chunks of any bank; a bias bank needs one)
+    const int64_t chunks = moe_cache_fill_chunks(b.nbytes);
+    if ((int64_t) blockIdx.x >= chunks) {
+        return;
+    }
     ggml_cuda_copy_bytes(b.bank + (int64_t) s * b.nbytes, b.host + (int64_t) e * b.host_nb, (size_t) b.nbytes,
-            (size_t) blockIdx.x * blockDim.x + threadIdx.x, (size_t) gridDim.x * blockDim.x);
+            (size_t) blockIdx.x * blockDim.x + threadIdx.x, (size_t) chunks * blockDim.x);
 }
 
 int ggml_cuda_moe_cache_fill_run(const ggml_cgraph * cgraph, int i) {
@@ -99,7 +110,7 @@ void ggml_cuda_op_moe_cache_fill(ggml_backend_cuda_context & ctx, ggml_tensor * 
         b.bank       = (char *) dst->data;
         b.nbytes     = (int64_t) (ggml_nbytes(dst) / p.n_slots);
         b.skip_first = p.skip_first;
-        n_chunks = std::max<int64_t>(n_chunks, std::min<int64_t>(64, b.nbytes / CUDA_MOE_CACHE_FILL_CHUNK));
+        n_chunks = std::max<int64_t>(n_chunks, moe_cache_fill_chunks(b.nbytes));
     }
 
     const dim3 grid((unsigned) n_chunks, (unsigned) p0.max_fills, (unsigned) n_fills);

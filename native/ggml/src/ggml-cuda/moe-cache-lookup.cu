@@ -19,8 +19,14 @@ static int64_t moe_cache_lookup_shared_ints(int32_t n_expert, int32_t n_slots) {
     return ggml_moe_cache_state_size(n_expert, n_slots) + ggml_moe_cache_tail_layout_of(n_slots).size;
 }
 
-// the dynamic shared memory of a launch; the kernel's own three words of the phases' results come on top
-#define CUDA_MOE_CACHE_LOOKUP_STATIC_SHARED (3 * sizeof(int32_t))
+// the words the phases hand on through shared memory: static in the kernel, on top of a launch's dynamic shared memory
+struct moe_cache_lookup_words {
+    int32_t res;
+    int32_t n_distinct;
+    int32_t n_free;
+    int32_t n_fills;
+    int32_t slot; // a miss's slot, where one lane picks it
+};
 
 static size_t moe_cache_lookup_shared_size(int32_t n_expert, int32_t n_slots) {
     return moe_cache_lookup_shared_ints(n_expert, n_slots) * sizeof(int32_t) + ggml_moe_cache_scratch_size(n_expert, n_slots);
@@ -29,11 +35,13 @@ static size_t moe_cache_lookup_shared_size(int32_t n_expert, int32_t n_slots) {
 // ggml_moe_cache_take_slot with the 32 lanes of a warp (every lane returns the slot): the lowest free slot, or CLOCK a
 // window of 32 slots at a time, each window's marks gathered by a ballot and judged by ggml_moe_cache_clock_window, the
 // one judgement the C lookup makes (its windows gathered by a loop), so the slot and the reference bits it clears are
-// the same
+// the same. ROCm and MUSA builds (which run no expert cache: ggml-dev-caps.h) pick it on one lane with the C function
+#if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
 static __device__ int32_t moe_cache_take_slot_warp(const ggml_moe_cache_state & st, const ggml_moe_cache_scratch & sc,
-        const int32_t e) {
-    const int32_t  lane   = threadIdx.x % WARP_SIZE;
-    const int32_t  n      = st.n_slots;
+        const int32_t e, moe_cache_lookup_words & w) {
+    GGML_UNUSED(w);
+    const int32_t   lane   = threadIdx.x % WARP_SIZE;
+    const int32_t   n      = st.n_slots;
     const uint8_t * pinned = sc.marks + st.n_expert;
     if (*st.n_free > 0) {
         if (e < n && st.expert_of[e] < 0) {
@@ -72,6 +80,16 @@ static __device__ int32_t moe_cache_take_slot_warp(const ggml_moe_cache_state & 
     __syncwarp();
     return victim;
 }
+#else
+static __device__ int32_t moe_cache_take_slot_warp(const ggml_moe_cache_state & st, const ggml_moe_cache_scratch & sc,
+        const int32_t e, moe_cache_lookup_words & w) {
+    if (threadIdx.x == 0) {
+        w.slot = ggml_moe_cache_take_slot(&st, sc, e);
+    }
+    ggml_cuda_syncwarp();
+    return w.slot;
+}
+#endif // !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
 
 // state: the lookup's tensor, [state | tail | slot_ids] (ggml_moe_cache_tensor_layout_of); the state and the tail are
 // staged in shared memory, the tail right after the state, as in the tensor
@@ -110,51 +128,62 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
     // the lookup's phases (ggml-moe-cache-lookup.h): the state's check over every slot split over the block, each
     // miss's slot picked by the first warp, the rest on one thread, so the state and the tail end as
     // ggml_moe_cache_lookup_to_dst leaves them
-    __shared__ int32_t s_res, s_n_distinct, s_n_free, s_n_fills;
+    __shared__ moe_cache_lookup_words w;
     if (threadIdx.x == 0) {
-        s_res    = ggml_moe_cache_lookup_begin(&st, sc, ids, n_tokens, n_used, stride, slot_ids, &s_n_distinct);
-        s_n_free = 0;
+        w.res    = ggml_moe_cache_lookup_begin(&st, sc, ids, n_tokens, n_used, stride, slot_ids, &w.n_distinct);
+        w.n_free = 0;
     }
     __syncthreads();
     int32_t bad = 0;
-    if (s_res == 0) {
+    if (w.res == 0) {
         int32_t n_free = 0;
         ggml_moe_cache_check_slots(&st, threadIdx.x, blockDim.x, &n_free, &bad);
-        atomicAdd(&s_n_free, n_free);
+        atomicAdd(&w.n_free, n_free);
     }
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) {
-        s_res     = s_res == 0 ? ggml_moe_cache_lookup_hits(&st, sc, s_n_distinct, s_n_free, bad) : s_res;
-        s_n_fills = 0;
+        w.res     = w.res == 0 ? ggml_moe_cache_lookup_hits(&st, sc, w.n_distinct, w.n_free, bad) : w.res;
+        w.n_fills = 0;
     }
     __syncthreads();
-    if (s_res == 0 && threadIdx.x < WARP_SIZE) {
-        for (int32_t i = 0; i < s_n_distinct; i++) {
+    if (w.res == 0 && threadIdx.x < WARP_SIZE) {
+        for (int32_t i = 0; i < w.n_distinct; i++) {
             const int32_t e = sc.distinct[i];
             if (st.slot_of[e] >= 0) {
-                continue; // a hit, or taken: the same answer in every lane (shared memory, written before __syncwarp)
+                continue; // a hit, or taken: the same answer in every lane (shared memory, written before a warp sync)
             }
-            const int32_t s = moe_cache_take_slot_warp(st, sc, e);
+            const int32_t s = moe_cache_take_slot_warp(st, sc, e, w);
+            ggml_cuda_syncwarp(); // every lane has read the state the take below writes
             if (threadIdx.x == 0) {
                 ggml_moe_cache_lookup_take(&st, sc, e, s, s_tail + d.fill_expert, s_tail + d.fill_slot, s_tail + d.evicted,
-                        &s_n_fills);
+                        &w.n_fills);
             }
-            __syncwarp();
+            ggml_cuda_syncwarp();
         }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int32_t res = s_res == 0 ? s_n_fills : s_res;
-        if (s_res == 0) {
-            ggml_moe_cache_lookup_finish(&st, sc, ids, n_tokens, n_used, stride, s_n_distinct, slot_ids);
+        const int32_t res = w.res == 0 ? w.n_fills : w.res;
+        if (w.res == 0) {
+            ggml_moe_cache_lookup_finish(&st, sc, ids, n_tokens, n_used, stride, w.n_distinct, slot_ids);
         }
-        ggml_moe_cache_lookup_record(&st, s_tail, res, ggml_moe_cache_distinct_reported(res, s_n_distinct));
+        ggml_moe_cache_lookup_record(&st, s_tail, res, ggml_moe_cache_distinct_reported(res, w.n_distinct));
     }
     __syncthreads();
 
     for (int64_t i = threadIdx.x; i < n_state + n_tail; i += blockDim.x) {
         state[i] = smem[i];
     }
+}
+
+// the kernel's static shared memory as compiled (the words, padded as the compiler lays them out), read once
+static size_t moe_cache_lookup_static_shared() {
+    static const size_t n = [] {
+        cudaFuncAttributes attr;
+        CUDA_CHECK(cudaFuncGetAttributes(&attr, moe_cache_lookup_kernel));
+        return attr.sharedSizeBytes;
+    }();
+    return n;
 }
 
 bool ggml_cuda_moe_cache_lookup_supported(int device, const ggml_tensor * op) {
@@ -171,7 +200,7 @@ bool ggml_cuda_moe_cache_lookup_supported(int device, const ggml_tensor * op) {
     // the default limit, so that the launch needs no opt-in attribute: 48 KiB hold about 1400 experts with a slot each (the state keeps a use count per expert)
     const int32_t n_expert = ggml_get_op_params_i32(op, 0);
     const int32_t n_slots  = ggml_get_op_params_i32(op, 1);
-    return moe_cache_lookup_shared_size(n_expert, n_slots) + CUDA_MOE_CACHE_LOOKUP_STATIC_SHARED <=
+    return moe_cache_lookup_shared_size(n_expert, n_slots) + moe_cache_lookup_static_shared() <=
         ggml_cuda_info().devices[device].smpb;
 }
 
@@ -187,7 +216,7 @@ void ggml_cuda_op_moe_cache_lookup(ggml_backend_cuda_context & ctx, ggml_tensor 
     GGML_ASSERT(ggml_moe_cache_tensor_max_ids(n_expert, n_slots, ggml_nelements(dst)) >= n_used * n_tokens);
 
     const size_t nbytes_shared = moe_cache_lookup_shared_size(n_expert, n_slots);
-    GGML_ASSERT(nbytes_shared + CUDA_MOE_CACHE_LOOKUP_STATIC_SHARED <= ggml_cuda_info().devices[ggml_cuda_get_device()].smpb);
+    GGML_ASSERT(nbytes_shared + moe_cache_lookup_static_shared() <= ggml_cuda_info().devices[ggml_cuda_get_device()].smpb);
 
     moe_cache_lookup_kernel<<<1, CUDA_MOE_CACHE_LOOKUP_BLOCK_SIZE, nbytes_shared, ctx.stream()>>>(
             (const int32_t *) ids->data, (int32_t *) dst->data,
