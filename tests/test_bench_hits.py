@@ -84,3 +84,27 @@ def test_a_build_that_reports_no_upload_bytes_has_no_pcie_column():
 def test_layer_rates_parse():
     assert bench_hits.parse_layer_rates("0=0.7500,13=1.0000") == {0: 0.75, 13: 1.0}
     assert bench_hits.parse_layer_rates("") == {} and bench_hits.parse_layer_rates(None) == {}
+
+
+def test_a_decode_rows_cache_bound_is_its_limit_plus_its_misses_bytes_at_the_link_rate():
+    from pyllama_moe.bench import limits as bench_limits
+
+    result = _result()
+    hits = bench_hits.hit_rates(result)
+    limits = bench_limits.limit_shares(result, "n_cpu_moe", "0")
+    label = "tg128 ub512 ngl99 ncmoe48 lm=none"
+    assert bench_limits.cache_bound(result, limits, hits, []) == {}  # no probe, no bound
+    bound = bench_limits.cache_bound(result, limits, hits, [{"pinned_gbps": 50.0}, {"pinned_gbps": 60.0}])
+    assert list(bound) == [label]  # the limit row itself and master's rows have no cache
+    b = bound[label]
+    # the limit (340 t/s) plus 1.5 MiB a token at 55 GB/s
+    want_ts = 1 / (1 / 340.0 + 1.5 * MIB / 55e9)
+    assert b["cache_bound_ts"] == pytest.approx(want_ts) and b["cache_bound_gbps"] == pytest.approx(55.0)
+    share = limits[label]["limit"]["share_candidate"]
+    assert b["cache_bound_share"] == pytest.approx(share * 340.0 / want_ts)
+    assert b["cache_bound_share_low"] <= b["cache_bound_share"] <= b["cache_bound_share_high"]
+    # the kept repetitions ran at 110-112 t/s against a bound of ~337: a third of it
+    assert 0.32 < b["cache_bound_share"] < 0.34
+    cells = bench_limits.limit_columns(limits, {}, NAMES, bound)[label]
+    assert cells["cache bound t/s"] == f"{want_ts:.0f}" and cells["share of cache bound"].startswith(
+        f"{b['cache_bound_share']:.3f} [")

@@ -155,7 +155,7 @@ cost)
     P=$(patched_bin)
     timeout 60 "$P/llama-moe-copy-probe" 2>&1 | tee "$OUT/cache-cost-copy-probe.txt"
     BENCH_MODEL=$M bench 480 --baseline patched --candidate patched --pin-threads --warmup-rounds 0 --reps 4 --discard 1 \
-        --rounds 3 --max-seconds 420 --limit-row n_cpu_moe=0 --json "$OUT/cache-cost-tg128.json" \
+        --rounds 3 --max-seconds 420 --limit-row n_cpu_moe=0 --pcie-bound --json "$OUT/cache-cost-tg128.json" \
         -- -p 0 -n 128 -ngl 99 -ncmoe 48,0 -lm none -mcm ${ALL_MIB:-17000},7800,3900 -mcp 0,1,2 \
         2>&1 | tee "$OUT/cache-cost-tg128.txt"
     # each cache kernel's own time (ncu serializes kernels: durations, not a step's wall time), half the cache and

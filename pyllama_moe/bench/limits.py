@@ -1,5 +1,6 @@
-"""What a bench row is measured against: another row of the same run (`--limit-row`, `--limit-from baseline`), or
-the PCIe bound of its host weights (`--pcie-bound`).
+"""What a bench row is measured against: another row of the same run (`--limit-row`, `--limit-from baseline`), the
+PCIe bound of its host weights (`--pcie-bound`), or, for a decode row with an expert cache, its limit row plus its
+misses' bytes over the link (`--pcie-bound` with `--limit-row`).
 
 A share is computed per llama-bench process, whose row and limit share its placement, and gets an interval as a
 ratio does. See docs/benchmarks.md, "Limit rows and the PCIe bound".
@@ -177,7 +178,39 @@ def pcie_columns(result: BenchResult, model: Path, probes: list[dict]) -> dict[s
     return out
 
 
-def limit_columns(limits: dict[str, dict], pcie: dict[str, dict], names: dict[str, str]) -> dict[str, dict[str, str]]:
+def cache_bound(result: BenchResult, limits: dict[str, dict], hits: dict[str, dict], probes: list[dict]) -> dict[str, dict]:
+    """Per decode row of the candidate with an expert cache and a limit row (all on the GPU): what the row cannot beat,
+    the limit's time per token plus the row's misses' bytes at the probed link rate, in tokens/s, and the candidate's
+    share of it, as an interval (its share of the limit, scaled by the same factor: the bytes and the rate are taken
+    as measured). A share of 1 is a cache whose own work costs nothing; 1 / 1.03 is 3% over the bound."""
+    if not probes:
+        return {}
+    gbps = statistics.fmean(p["pinned_gbps"] for p in probes)
+    by_label = {row.label: row for row in result.rows.values()}
+    out = {}
+    for label, data in limits.items():
+        lim, row = data["limit"], by_label.get(label)
+        side_hits = hits.get(label, {}).get("hit_rate", {}).get("candidate") or {}
+        per_token = side_hits.get("upload_bytes_per_token")
+        limit_row = by_label.get(lim.get("row"))
+        if row is None or limit_row is None or per_token is None or lim.get("share_candidate") is None:
+            continue
+        if not row.fields.get("n_gen") or row.fields.get("n_prompt"):
+            continue  # prompt rows have the PCIe bound
+        limit_ts = limit_row.median("baseline" if lim.get("limit_from") == "baseline" else "candidate")
+        if not limit_ts:
+            continue
+        factor = 1 + per_token * limit_ts / (gbps * 1e9)
+        scaled = {key: lim[key] * factor if lim.get(key) is not None else None
+                  for key in ("share_candidate", "share_low", "share_high")}
+        out[label] = {"cache_bound_ts": limit_ts / factor, "cache_bound_bytes_per_token": per_token, "cache_bound_gbps": gbps,
+                      "cache_bound_share": scaled["share_candidate"], "cache_bound_share_low": scaled["share_low"],
+                      "cache_bound_share_high": scaled["share_high"]}
+    return out
+
+
+def limit_columns(limits: dict[str, dict], pcie: dict[str, dict], names: dict[str, str],
+                  bound: dict[str, dict] | None = None) -> dict[str, dict[str, str]]:
     """Table cells for the limit and PCIe columns (label -> column -> text)."""
     cells: dict[str, dict[str, str]] = {}
     for label, data in limits.items():
@@ -192,4 +225,9 @@ def limit_columns(limits: dict[str, dict], pcie: dict[str, dict], names: dict[st
         share = data.get("pcie_share_candidate")
         cells.setdefault(label, {})["PCIe bound t/s"] = f"{data['pcie_bound_ts']:.0f}"
         cells[label]["share of PCIe bound"] = f"{share:.3f}" if share is not None else ""
+    for label, data in (bound or {}).items():
+        span = (f" [{data['cache_bound_share_low']:.3f}, {data['cache_bound_share_high']:.3f}]"
+                if data.get("cache_bound_share_low") is not None else "")
+        cells.setdefault(label, {})["cache bound t/s"] = f"{data['cache_bound_ts']:.0f}"
+        cells[label]["share of cache bound"] = f"{data['cache_bound_share']:.3f}{span}"
     return cells

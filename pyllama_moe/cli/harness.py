@@ -225,9 +225,10 @@ def run_bench(args, model: Path) -> str:
         limits = bench_limits.limit_shares(result, *limit, limit_from=args.limit_from) if limit else {}
         pcie = bench_limits.pcie_columns(result, model, probes) if probes else {}
         hits = bench_hits.hit_rates(result)
-        rows = {label: {**limits.get(label, {}), **pcie.get(label, {}), **hits.get(label, {})}
-                for label in {*limits, *pcie, *hits}}
-        columns = bench_limits.limit_columns(limits, pcie, names)
+        bound = bench_limits.cache_bound(result, limits, hits, probes)
+        rows = {label: {**limits.get(label, {}), **pcie.get(label, {}), **hits.get(label, {}), **bound.get(label, {})}
+                for label in {*limits, *pcie, *hits, *bound}}
+        columns = bench_limits.limit_columns(limits, pcie, names, bound)
         for label, cols in bench_hits.hit_columns(hits, names).items():
             columns.setdefault(label, {}).update(cols)
         return rows, columns
@@ -457,7 +458,9 @@ def register(sub) -> None:
                    help="with --limit-row, whose limit row the candidate's rows are measured against: its own (default) "
                         "or the baseline's (e.g. the patched cache at -ncmoe 48 against master's static -ncmoe 24)")
     p.add_argument("--pcie-bound", action="store_true",
-                   help="show prompt rows' share of the PCIe bound (host bytes per ubatch / pinned bandwidth, probed)")
+                   help="show prompt rows' share of the PCIe bound (host bytes per ubatch / pinned bandwidth, probed); "
+                        "with --limit-row, decode rows with an expert cache get their share of the limit row plus "
+                        "their misses' bytes at that bandwidth")
     p.add_argument("--baseline-env", action="append", metavar="NAME=VALUE",
                    help="environment for the baseline only (repeat)")
     p.add_argument("--candidate-env", action="append", metavar="NAME=VALUE",
