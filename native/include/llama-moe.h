@@ -69,6 +69,18 @@ LLAMA_MOE_API int32_t llama_moe_get_prefetch_staging_mib(const struct llama_cont
 LLAMA_MOE_API int32_t llama_moe_prefetch_n_devices(const struct llama_context * ctx);
 LLAMA_MOE_API size_t  llama_moe_prefetch_arena_size(const struct llama_context * ctx);
 
+// --- asynchronous CPU splits ---
+// When on, the scheduler computes CPU splits on a worker thread while the calling thread goes on launching the later
+// splits of GPUs: the CPU's experts and independent GPU work (a shared expert) run at once. The caller joins the
+// worker before a split that needs the CPU's result and before a decode returns, so results are the same bytes on
+// and off. The worker is the CPU thread pool's first thread (-t counts it); the launching thread runs beside the pool.
+// Precedence: per-context setter > process default (set below, or --sched-async-cpu) > GGML_SCHED_ASYNC_CPU > off.
+// Process default: 0 off, 1 on, -1 unsets it. Per context: 0 or 1; -1 takes the process default again.
+LLAMA_MOE_API void    llama_moe_default_set_sched_async_cpu(int32_t on);
+LLAMA_MOE_API int32_t llama_moe_default_get_sched_async_cpu(void);
+LLAMA_MOE_API void    llama_moe_set_sched_async_cpu(struct llama_context * ctx, int32_t on);
+LLAMA_MOE_API int32_t llama_moe_get_sched_async_cpu(const struct llama_context * ctx);
+
 // --- statistics ---
 // Counters of the context's scheduler since it was last reserved or the stats were reset.
 struct llama_moe_stats {
@@ -79,6 +91,8 @@ struct llama_moe_stats {
     uint64_t n_host_syncs_upload;   // ... of them, to copy inputs from host memory to a device
     uint64_t n_prefetch_uploads;    // weight copies uploaded ahead on a staging queue
     uint64_t prefetch_upload_bytes; // bytes of those uploads
+    uint64_t n_async_cpu_splits;    // CPU splits computed on the worker thread (asynchronous CPU splits)
+    uint64_t n_async_cpu_joins_waited; // ... joins that found the worker still computing, so the caller waited
 };
 
 LLAMA_MOE_API void llama_moe_get_stats  (const struct llama_context * ctx, struct llama_moe_stats * stats);

@@ -9,6 +9,10 @@
 // llama.cpp flag), else the environment, else ggml's built-in values
 ggml_backend_sched_prefetch_params llama_moe_prefetch_context_defaults();
 
+// whether a new context computes CPU splits on a worker thread: process default (llama-moe.h setter or
+// --sched-async-cpu), else GGML_SCHED_ASYNC_CPU, else off
+bool llama_moe_sched_async_cpu_context_default();
+
 // a whole number in [lo, hi] from the environment variable name, else -1: unset, or not such a number (then said
 // through the log; callers read it once)
 int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi);

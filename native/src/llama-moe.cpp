@@ -10,6 +10,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -154,6 +155,47 @@ void llama_moe_get_stats(const llama_context * ctx, llama_moe_stats * stats) {
     stats->n_host_syncs_upload   = s.n_host_syncs_upload;
     stats->n_prefetch_uploads    = s.n_prefetch_uploads;
     stats->prefetch_upload_bytes = s.prefetch_upload_bytes;
+    stats->n_async_cpu_splits    = s.n_async_cpu_splits;
+    stats->n_async_cpu_joins_waited = s.n_async_cpu_joins_waited;
+}
+
+//
+// asynchronous CPU splits
+//
+
+static std::atomic<int32_t> g_async_cpu{-1}; // -1: unset
+
+bool llama_moe_sched_async_cpu_context_default() {
+    const int32_t set = g_async_cpu.load();
+    if (set >= 0) {
+        return set != 0;
+    }
+    static const int64_t env = llama_moe_env_whole("GGML_SCHED_ASYNC_CPU", 0, 1);
+    return env == 1;
+}
+
+void llama_moe_default_set_sched_async_cpu(int32_t on) {
+    if (on > 1) {
+        LLAMA_LOG_ERROR("llama_moe: asynchronous CPU splits %d is not one of 0, 1; left as it was\n", on);
+        return;
+    }
+    g_async_cpu.store(on >= 0 ? on : -1);
+}
+
+int32_t llama_moe_default_get_sched_async_cpu(void) {
+    return llama_moe_sched_async_cpu_context_default() ? 1 : 0;
+}
+
+void llama_moe_set_sched_async_cpu(llama_context * ctx, int32_t on) {
+    if (on > 1) {
+        LLAMA_LOG_ERROR("llama_moe: asynchronous CPU splits %d is not one of 0, 1; left as it was\n", on);
+        return;
+    }
+    ctx->set_sched_async_cpu(on >= 0 ? on != 0 : llama_moe_sched_async_cpu_context_default());
+}
+
+int32_t llama_moe_get_sched_async_cpu(const llama_context * ctx) {
+    return ctx->get_cparams().sched_async_cpu ? 1 : 0;
 }
 
 void llama_moe_reset_stats(llama_context * ctx) {

@@ -1,0 +1,97 @@
+"""Asynchronous CPU splits of the patched scheduler (GGML_SCHED_ASYNC_CPU, --sched-async-cpu), on the SIM device.
+
+A small ggml program (tests/native/test_async_cpu.cpp, built against the patched CPU build) plants each hazard: a CPU
+split reading what a slow SIM copy brings down, a SIM split reading what a slow worker computes, a failure and an
+abort on the worker, graphs freed and reserved between computes. Each must give the right values; a debug knob that
+drops the wait it tests must make the same case fail, so the test can fail. The overlap itself: a CPU split and an
+independent SIM split of known durations take about the longer of the two with the worker, their sum without it.
+Through llama.cpp: the knob reaches the scheduler from the flag, the environment and llama-moe.h, the bytes are the
+same on and off (the identity cells `async-cpu*` of ci/matrix.toml, in `ci`), and llama-bench has the column.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pyllama_moe.paths import PROJECT_ROOT
+
+pytestmark = pytest.mark.build
+
+PROGRAM = PROJECT_ROOT / "tests" / "native" / "test_async_cpu.cpp"
+SIM = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1"}
+
+
+def _source_dir(build) -> Path:
+    cache = (build.path / "CMakeCache.txt").read_text()
+    return Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", cache, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def program(patched_build, tmp_path_factory):
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp("async-cpu") / "test_async_cpu"
+    lib = patched_build.bin_dir
+    subprocess.run([cxx, "-std=c++17", "-O1", str(PROGRAM), "-I", str(_source_dir(patched_build) / "ggml" / "include"),
+                    "-L", str(lib), "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                   check=True)
+    return exe
+
+
+def _run(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "GGML_SCHED_"))}
+    return subprocess.run([str(exe), case], capture_output=True, text=True, timeout=300, env={**clean, **SIM, **env})
+
+
+# slow SIM copies: a download the worker does not wait for is read before it lands
+SLOW_COPIES = {"GGML_SIM_COPY_LATENCY_US": "30000", "CPU_MS": "0"}
+# a slow worker: a SIM split that does not wait for it uploads the CPU's result before it is written
+SLOW_WORKER = {"GGML_SCHED_ASYNC_CPU_DEBUG_DELAY_US": "100000", "CPU_MS": "0"}
+
+
+@pytest.mark.parametrize("case,env", [
+    ("download", SLOW_COPIES),
+    ("reader", SLOW_WORKER),
+    ("join", {"CPU_MS": "20", "GGML_SIM_COMPUTE_LATENCY_US": "20000", "GGML_SCHED_ASYNC_CPU_DEBUG_DELAY_US": "30000"}),
+    ("fail", {"GGML_SCHED_ASYNC_CPU_DEBUG_FAIL": "2"}),
+    ("abort", {}),
+    ("reuse", {"CPU_MS": "5", "GGML_SIM_COPY_LATENCY_US": "2000"}),
+])
+def test_case_is_right(program, case, env):
+    proc = _run(program, case, **env)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"ok {case}"), proc.stdout + proc.stderr[-3000:]
+    if env.get("GGML_SCHED_ASYNC_CPU_DEBUG_DELAY_US") or env.get("GGML_SCHED_ASYNC_CPU_DEBUG_FAIL"):
+        assert "a test plant" in proc.stderr  # the plant says itself once per scheduler
+
+
+@pytest.mark.parametrize("case,env", [
+    ("download", {**SLOW_COPIES, "GGML_SCHED_ASYNC_CPU_DEBUG_UNSAFE": "1"}),  # the worker waits for no download
+    ("reader", {**SLOW_WORKER, "GGML_SCHED_ASYNC_CPU_DEBUG_UNSAFE": "2"}),    # no join before a reader
+])
+def test_control_without_the_wait_fails(program, case, env):
+    proc = _run(program, case, **env)
+    assert proc.returncode == 1 and proc.stdout.startswith(f"FAIL {case}") and "worker on" in proc.stdout, \
+        proc.stdout + proc.stderr[-3000:]
+
+
+# The overlap: a CPU split of CPU_MS beside a SIM split of the same compute latency. Without the worker the two run one
+# after the other; with it, side by side. On this 2-core machine scheduling adds a few milliseconds, so the bound is
+# the longer duration plus a quarter of the shorter one (a sum would be 100 ms over it). (SIM's latency is per compute
+# call, so the `join` case, whose cut adds a SIM split, is checked for its values and splits, not timed.)
+OVERLAP_MS = 100
+
+
+def test_the_cpu_and_device_splits_overlap(program):
+    proc = _run(program, "overlap", CPU_MS=str(OVERLAP_MS), GGML_SIM_COMPUTE_LATENCY_US=str(OVERLAP_MS * 1000))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    off, on = map(float, re.search(r"off ([\d.]+) ms, on ([\d.]+) ms", proc.stdout).groups())
+    assert off >= 2 * OVERLAP_MS, proc.stdout  # sequential without the worker
+    assert on <= OVERLAP_MS * 1.25, proc.stdout  # about the longer of the two with it
+    print(f"overlap: off {off:.1f} ms, on {on:.1f} ms; each side {OVERLAP_MS} ms")
