@@ -11,6 +11,7 @@ same on and off (the identity cells `async-cpu*` of ci/matrix.toml, in `ci`), an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -95,3 +96,34 @@ def test_the_cpu_and_device_splits_overlap(program):
     assert off >= 2 * OVERLAP_MS, proc.stdout  # sequential without the worker
     assert on <= OVERLAP_MS * 1.25, proc.stdout  # about the longer of the two with it
     print(f"overlap: off {off:.1f} ms, on {on:.1f} ms; each side {OVERLAP_MS} ms")
+
+
+def test_the_round_trip_tool_times_each_leg_on_sim(patched_build):
+    """llama-moe-roundtrip (the GPU machine's round-trip budget) on SIM with a small shape: every leg timed for each
+    token count, idle and busy, and the throughputs there. SIM's numbers mean nothing; the tool's shape does."""
+    exe = patched_build.bin_dir / "llama-moe-roundtrip"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GGML_SIM_", "GGML_SCHED_"))}
+    proc = subprocess.run([str(exe), "--shape", "256,128,16,4", "--tokens", "1,4", "--reps", "5", "-t", "2"],
+                          capture_output=True, text=True, timeout=300, env={**clean, "GGML_SIM_DEVICES": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    trips = [r for r in records if r["what"] == "roundtrip"]
+    assert [(r["tokens"], r["gpu_busy"]) for r in trips] == [(1, False), (4, False), (1, True), (4, True)]
+    for r in trips:
+        assert all(r[k] >= 0 for k in ("d2h_us", "cpu_us", "h2d_us", "join_us")) and r["cpu_us"] > 0
+        assert r["total_us"] == pytest.approx(r["d2h_us"] + r["cpu_us"] + r["h2d_us"] + r["join_us"], abs=0.2)
+        # 4 distinct experts a token of 16: 1 token reads 4 experts, 4 tokens at least 4
+        assert r["expert_bytes"] >= 4 * 3 * 128 * 256 * 18 / 32
+    link = [r for r in records if r["what"] == "link"]
+    assert len(link) == 1 and link[0]["split_us_idle"] > 0
+    assert "| tokens | GPU | d2h us |" in proc.stderr
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--tokens", "0"], "--tokens"), (["--threads", "x"], "--threads"), (["--shape", "100,128,16,4"], "--shape"),
+    (["--type", "q5_k"], "--type"), (["--bogus"], "--bogus"),
+])
+def test_the_round_trip_tool_refuses_bad_arguments_in_one_line(patched_build, args, named):
+    proc = subprocess.run([str(patched_build.bin_dir / "llama-moe-roundtrip"), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {named}"), proc.stderr

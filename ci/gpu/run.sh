@@ -34,6 +34,11 @@ cache-tg            cache.sh tg               tg128, cache at half the expert by
 cache-tg-whole      cache.sh tg-whole         tg128 with every expert cached as a share of all on the GPU (-lm none)
 cache-tg-whole-mmap cache.sh tg-whole-mmap    the same comparison with -lm mmap
 cache-cost          cache.sh cost             the cache's own cost: probes and caches against all on the GPU, kernel times (ncu)
+async-roundtrip     async-cpu.sh roundtrip    one layer's CPU round trip per token count, the GPU idle and busy (llama-moe-roundtrip)
+async-bench         async-cpu.sh bench        tg128 and pp512 with the CPU worker off and on: -ncmoe 24/48, the cache at a quarter and half
+async-identity      async-cpu.sh identity     the CPU worker's CUDA identity cells against master
+async-overlap       async-cpu.sh overlap      a shared-expert model with experts on the host: tg128 with the worker off and on
+async-power         async-cpu.sh power        the divergence contract's power on CUDA: the smallest planted fault it flags
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
 lookup-syncs        device-lookup.sh syncs    host syncs per token: cache on the device, host-side plan, all on the GPU
 lookup-tg           device-lookup.sh tg       tg128 against master, paced, then against master's -ncmoe 24 rows

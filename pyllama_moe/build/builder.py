@@ -29,8 +29,9 @@ STAMP_NAME = "pyllama-moe-stamp.json"
 BACKENDS = ("cpu", "cuda")
 # llama-gguf-split: the split-GGUF models of the matrix are cut by llama.cpp's own tool (harness/models.py)
 DEFAULT_TARGETS = ("llama", "llama-bench", "llama-perplexity", "llama-completion", "test-backend-ops", "llama-gguf-split")
-# the tool the patch series adds (bench --pcie-bound), and a user's llama-server and llama-cli, which take its flags
-PATCHED_ONLY_TARGETS = ("llama-moe-copy-probe", "llama-server", "llama-cli")
+# the tools the patch series adds (bench --pcie-bound; the CPU round trip of async CPU splits), and a user's
+# llama-server and llama-cli, which take its flags
+PATCHED_ONLY_TARGETS = ("llama-moe-copy-probe", "llama-moe-roundtrip", "llama-server", "llama-cli")
 COMMON_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF", "-DGGML_CCACHE=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=ON", "-DLLAMA_BUILD_TOOLS=ON",

@@ -9,7 +9,6 @@
 // are tens of microseconds apart, where a condition variable's wake-up alone would cost as much again.
 
 #include "ggml-backend.h"
-#include "ggml-impl.h"
 
 #include <atomic>
 #include <chrono>
