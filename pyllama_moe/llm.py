@@ -70,13 +70,16 @@ def _model_params_with(overrides):
 
 
 def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int = 0, moe_cache_mib: int | None = None,
-              moe_cache_seed: bool | None = None, moe_cache_profile: str | Path | None = None, **llama_kwargs):
+              moe_cache_seed: bool | None = None, moe_cache_profile: str | Path | None = None,
+              sched_async_cpu: bool | None = None, **llama_kwargs):
     """A `llama_cpp.Llama` whose expert tensors stay on the host (every layer's with cpu_moe, the first n_cpu_moe
     layers' otherwise) and whose context has an expert cache of moe_cache_mib MiB per GPU (None: the process
     default, LLAMA_MOE_CACHE_MIB), seeded at a prompt's end unless moe_cache_seed is False (None: the process
     default, LLAMA_MOE_CACHE_SEED, on), started from the expert cache profile moe_cache_profile where that file exists
     and counted into it when the context is freed (None: the process default, LLAMA_MOE_CACHE_PROFILE, none; see
-    `pyllama_moe.plot.profile`). Other keywords go to `Llama`. Needs `use_build` first."""
+    `pyllama_moe.plot.profile`), computing its CPU splits on a worker thread beside the GPU's when sched_async_cpu is
+    True (None: the process default, GGML_SCHED_ASYNC_CPU, off; docs/async-cpu.md). Other keywords go to `Llama`.
+    Needs `use_build` first."""
     from llama_cpp import Llama
 
     from pyllama_moe.worker.model import cpu_overrides
@@ -90,6 +93,8 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
         raise UserError(f"the {moe.build.variant} build has no expert cache seeding", "use_build('patched', ...)")
     if moe_cache_profile is not None and "llama_moe_default_set_moe_cache_profile" not in dir(moe):
         raise UserError(f"the {moe.build.variant} build has no expert cache profiles", "use_build('patched', ...)")
+    if sched_async_cpu is not None and "llama_moe_set_sched_async_cpu" not in dir(moe):
+        raise UserError(f"the {moe.build.variant} build has no asynchronous CPU splits", "use_build('patched', ...)")
     if moe_cache_mib and moe.build.backend == "cpu" and not os.environ.get("GGML_SIM_DEVICES"):
         # the library says so in its log too, but Llama hides that unless verbose
         sys.stderr.write(f"pyllama_moe: the expert cache needs a GPU: this {moe.build.backend} build runs without it "
@@ -116,11 +121,19 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
             if moe_cache_profile is not None:
                 # back to what was in effect (a path set before, or the environment's, which is then read again)
                 moe.llama_moe_default_set_moe_cache_profile(previous_profile or moe._ffi.NULL)
+    if sched_async_cpu is not None:
+        # per context: its scheduler is reserved again at the next decode
+        moe.llama_moe_set_sched_async_cpu(_context_of(moe, model), 1 if sched_async_cpu else 0)
     model._pyllama_moe_overrides = (overrides, patterns)  # the model holds a pointer to them
     if overrides is not None and model.model_params.tensor_buft_overrides != ctypes.addressof(overrides):
         raise UserError("llama_cpp.Llama did not take the expert overrides (another llama-cpp-python version?)",
                         "use llama-cpp-python 0.3.36, the pinned one")
     return model
+
+
+def _context_of(moe, model):
+    """The `llama_context *` of a `Llama`, as the build's cffi type."""
+    return moe._ffi.cast("struct llama_context *", ctypes.cast(model.ctx, ctypes.c_void_p).value)
 
 
 def _default_profile(moe) -> bytes | None:
@@ -135,7 +148,7 @@ def cache_stats(moe: ffi.MoeLib, model) -> dict:
     expert of a layer, so its hits say how full the cache is). Steps read in place count their routed ids as hits."""
     import llama_cpp.llama_cpp as lc
 
-    ctx = moe._ffi.cast("struct llama_context *", ctypes.cast(model.ctx, ctypes.c_void_p).value)
+    ctx = _context_of(moe, model)
     n_layer = int(lc.llama_model_n_layer(model.model))
     out = {}
     for phase, name in ((0, "prompt"), (1, "decode")):

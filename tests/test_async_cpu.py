@@ -64,6 +64,8 @@ SLOW_WORKER = {"GGML_SCHED_ASYNC_CPU_DEBUG_DELAY_US": "100000", "CPU_MS": "0"}
     ("fail", {"GGML_SCHED_ASYNC_CPU_DEBUG_FAIL": "2"}),
     ("abort", {}),
     ("reuse", {"CPU_MS": "5", "GGML_SIM_COPY_LATENCY_US": "2000"}),
+    # a device that reads the CPU's result in place (no input copy to wait on) runs nothing beside the worker
+    ("integrated", {**SLOW_WORKER, "GGML_SIM_INTEGRATED": "1"}),
 ])
 def test_case_is_right(program, case, env):
     proc = _run(program, case, **env)
@@ -127,3 +129,50 @@ def test_the_round_trip_tool_refuses_bad_arguments_in_one_line(patched_build, ar
     proc = subprocess.run([str(patched_build.bin_dir / "llama-moe-roundtrip"), *args], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {named}"), proc.stderr
+
+
+# ThreadSanitizer: the scheduler, SIM and the CPU backend built with -fsanitize=thread (ggml's own option, OpenMP off
+# so that every thread is one TSan sees), and the cases above run again with the worker on
+TSAN_OPTIONS = ("-DGGML_SANITIZE_THREAD=ON", "-DGGML_OPENMP=OFF")
+
+
+@pytest.fixture(scope="module")
+def tsan_program(src, tmp_path_factory):
+    from pyllama_moe.build.builder import resolve
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    build = resolve("patched", "cpu", extra_options=TSAN_OPTIONS, targets=("ggml", "ggml-cpu"))
+    exe = tmp_path_factory.mktemp("async-cpu-tsan") / "test_async_cpu"
+    lib = build.bin_dir
+    subprocess.run([cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", str(PROGRAM),
+                    "-I", str(_source_dir(build) / "ggml" / "include"), "-L", str(lib), "-lggml", "-lggml-base",
+                    "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)], check=True)
+    return exe
+
+
+@pytest.mark.parametrize("case,env", [
+    ("overlap", {"CPU_MS": "20", "GGML_SIM_COMPUTE_LATENCY_US": "20000"}),
+    ("join", {"CPU_MS": "5", "GGML_SCHED_ASYNC_CPU_DEBUG_DELAY_US": "5000"}),
+    ("download", {**SLOW_COPIES, "GGML_SIM_COPY_LATENCY_US": "5000"}),
+    ("reader", {**SLOW_WORKER, "GGML_SCHED_ASYNC_CPU_DEBUG_DELAY_US": "5000"}),
+    ("fail", {"GGML_SCHED_ASYNC_CPU_DEBUG_FAIL": "2"}),
+    ("abort", {}),
+    ("reuse", {"CPU_MS": "1"}),
+])
+def test_the_worker_is_clean_under_thread_sanitizer(tsan_program, case, env):
+    proc = _run(tsan_program, case, TSAN_OPTIONS="halt_on_error=1 exitcode=66", **env)
+    assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.returncode == 0 and proc.stdout.startswith(f"ok {case}"), proc.stdout + proc.stderr[-3000:]
+
+
+def test_thread_sanitizer_sees_the_race_a_missing_wait_makes(tsan_program):
+    # the control: the worker does not wait for SIM's download of its input, so SIM's stream writes what the worker
+    # reads at the same time; TSan must say so (it has the power to see the races the test above finds none of). (A
+    # late worker without the join before a reader is no control here: TSan takes the plant's sleep for a
+    # synchronization.)
+    proc = _run(tsan_program, "download", TSAN_OPTIONS="halt_on_error=1 exitcode=66",
+                **{**SLOW_COPIES, "GGML_SIM_COPY_LATENCY_US": "5000", "GGML_SCHED_ASYNC_CPU_DEBUG_UNSAFE": "1"})
+    assert proc.returncode == 66 and "WARNING: ThreadSanitizer: data race" in proc.stderr, proc.stdout + proc.stderr[-3000:]
+    assert "ggml_sched_cpu_worker" in proc.stderr  # one side of the race is the worker

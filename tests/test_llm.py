@@ -90,3 +90,35 @@ def test_moe_llama_takes_a_profile_and_writes_it_when_the_context_is_freed(patch
     assert json.loads(proc.stdout.strip().splitlines()[-1])["default_after"] is None
     p = profile.read(path)
     assert p.n_runs == 1 and p.n_layer == 4 and int(p.decode.sum()) > 0
+
+
+ASYNC_SCRIPT = """
+import json, sys
+from pyllama_moe import llm
+
+moe = llm.use_build("patched", "cpu")
+out = {}
+for on in (False, True):
+    model = llm.moe_llama(sys.argv[1], n_gpu_layers=99, n_cpu_moe=2, sched_async_cpu=on, n_ctx=256, n_threads=2,
+                          verbose=False)
+    text = model("the", max_tokens=24, temperature=0.0)["choices"][0]["text"]
+    ctx = llm._context_of(moe, model)
+    stats = moe._ffi.new("struct llama_moe_stats *")
+    moe.llama_moe_get_stats(ctx, stats)
+    out[str(on)] = {"text": text, "set": moe.llama_moe_get_sched_async_cpu(ctx), "worker": stats.n_async_cpu_splits}
+    model.close()
+print(json.dumps(out))
+"""
+
+
+def test_moe_llama_computes_cpu_splits_on_the_worker_when_asked_with_the_same_text(patched_build, tiny_model):
+    prefixes = ("GGML_SIM_", "GGML_SCHED_", "LLAMA_MOE_", "LLAMA_CPP_LIB")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update(GGML_SIM_DEVICES="1", GGML_SIM_POISON="1", GGML_SCHED_ASYNC_CPU_DEBUG_DELAY_US="300")
+    proc = subprocess.run([sys.executable, "-c", ASYNC_SCRIPT, str(tiny_model)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["False"]["set"] == 0 and got["False"]["worker"] == 0
+    assert got["True"]["set"] == 1 and got["True"]["worker"] > 0  # layers 0-1's experts computed on the worker
+    assert got["True"]["text"] == got["False"]["text"] and len(got["True"]["text"]) > 0

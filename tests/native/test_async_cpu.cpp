@@ -2,7 +2,7 @@
 // device (GGML_SIM_DEVICES=1) of a patched build. Each case builds a small graph with a CPU split and SIM splits,
 // computes it with the worker off and on, and checks the values (and, where the case says, the wall time).
 //
-//   test_async_cpu CASE      CASE: overlap | join | download | reader | fail | abort | reuse
+//   test_async_cpu CASE      CASE: overlap | join | download | reader | fail | abort | reuse | integrated
 //
 //   overlap   a CPU split (a custom op that sleeps CPU_MS) beside an independent SIM split (SIM compute latency):
 //             prints both wall times; the caller compares them with the two durations
@@ -15,6 +15,8 @@
 //   fail      GGML_SCHED_ASYNC_CPU_DEBUG_FAIL=2: the second compute reports the worker's failure, the third is right
 //   abort     the CPU backend's abort callback fires during the worker's split: the compute reports it, the next is right
 //   reuse     the scheduler reset and reserved again between computes, the worker on: every compute right
+//   integrated  `reader` on an integrated SIM (GGML_SIM_INTEGRATED=1), which reads the CPU's buffers in place: the
+//             worker runs nothing there
 //
 // Inputs change at every repetition, so a value left over from the one before is caught. Prints "ok CASE: ..." and
 // exits 0, or "FAIL CASE: ..." and exits 1.
@@ -72,7 +74,9 @@ struct fixture {
         cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
         ggml_backend_cpu_set_n_threads(cpu, 2);
         ggml_backend_t backends[2] = { sim, cpu };
-        sched = ggml_backend_sched_new(backends, nullptr, 2, graph_size, false, true);
+        // the CPU computes in SIM's page-locked host buffers, as llama.cpp sets it up beside a GPU
+        ggml_backend_buffer_type_t bufts[2] = { ggml_backend_get_default_buffer_type(sim), ggml_backend_dev_host_buffer_type(dev) };
+        sched = ggml_backend_sched_new(backends, bufts, 2, graph_size, false, true);
         ggml_init_params ip = { 64 * ggml_tensor_overhead() + 2 * ggml_graph_overhead(), nullptr, true };
         ctx = ggml_init(ip);
         cpu_ms = env_int("CPU_MS", 0);
@@ -327,6 +331,26 @@ static int statuses(fixture & f, const std::string & name, const std::vector<ggm
     return 0;
 }
 
+// an integrated GPU (GGML_SIM_INTEGRATED=1) uses the CPU's buffers in place: the SIM split reads the CPU's result
+// with no input copy, so nothing may run beside the worker there
+static int case_integrated(const std::string & name) {
+    fixture f;
+    if (!f.init()) {
+        return fail(name, "no SIM0 device: run with GGML_SIM_DEVICES=1");
+    }
+    double off = 0, on = 0;
+    if (int rc = off_and_on(f, name, make_reader, &off, &on)) {
+        return rc;
+    }
+    ggml_backend_sched_stats st;
+    ggml_backend_sched_get_stats(f.sched, &st);
+    if (ggml_backend_sched_get_async_cpu(f.sched) || st.n_async_cpu_splits != 0) {
+        return fail(name, "CPU splits ran on the worker beside a device that reads them in place");
+    }
+    printf("ok %s: right with the worker set, which ran nothing (off %.1f ms, on %.1f ms)\n", name.c_str(), off, on);
+    return 0;
+}
+
 static int case_fail(const std::string & name) {
     fixture f;
     if (!f.init()) {
@@ -406,7 +430,7 @@ static int case_reuse(const std::string & name) {
 
 int main(int argc, char ** argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s overlap|join|download|reader|fail|abort|reuse\n", argv[0]);
+        fprintf(stderr, "usage: %s overlap|join|download|reader|fail|abort|reuse|integrated\n", argv[0]);
         return 2;
     }
     ggml_backend_load_all();
@@ -416,6 +440,7 @@ int main(int argc, char ** argv) {
     if (name == "download") return timed_case(name, make_download, false);
     if (name == "reader")   return timed_case(name, make_reader, false);
     if (name == "fail")     return case_fail(name);
+    if (name == "integrated") return case_integrated(name);
     if (name == "abort")    return case_abort(name);
     if (name == "reuse")    return case_reuse(name);
     fprintf(stderr, "unknown case %s\n", name.c_str());

@@ -74,6 +74,7 @@ struct sim_config {
     bool        host_map_fail      = false;
     int64_t     host_map_fail_nth  = 0; // 0: none
     bool        host_no_mapped     = false;
+    bool        integrated         = false; // GGML_SIM_INTEGRATED: an integrated GPU, which uses its host buffers in place
     int64_t     offload_min_batch  = 32;
     int         cuda_cc            = 0; // GGML_SIM_CC: the compute capability whose mul_mat_id rule SIM reports
     std::string oplog_path;
@@ -135,6 +136,7 @@ const sim_config & sim_cfg() {
         c.host_map_fail      = env_double("GGML_SIM_HOST_MAP_FAIL", 0) != 0;
         c.host_map_fail_nth  = (int64_t) env_double("GGML_SIM_HOST_MAP_FAIL_NTH", 0);
         c.host_no_mapped     = env_double("GGML_SIM_HOST_NO_MAPPED", 0) != 0;
+        c.integrated         = env_double("GGML_SIM_INTEGRATED", 0) != 0;
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
         c.cuda_cc            = (int) env_double("GGML_SIM_CC", 0);
         const char * log = getenv("GGML_SIM_OPLOG");
@@ -1273,13 +1275,13 @@ void sim_dev_get_memory(ggml_backend_dev_t dev, size_t * free, size_t * total) {
 
 enum ggml_backend_dev_type sim_dev_get_type(ggml_backend_dev_t dev) {
     GGML_UNUSED(dev);
-    return GGML_BACKEND_DEVICE_TYPE_GPU;
+    return sim_cfg().integrated ? GGML_BACKEND_DEVICE_TYPE_IGPU : GGML_BACKEND_DEVICE_TYPE_GPU;
 }
 
 void sim_dev_get_props(ggml_backend_dev_t dev, ggml_backend_dev_props * props) {
     props->name        = sim_dev_get_name(dev);
     props->description = sim_dev_get_description(dev);
-    props->type        = GGML_BACKEND_DEVICE_TYPE_GPU;
+    props->type        = sim_dev_get_type(dev);
     props->device_id   = device_of(dev)->device_id.c_str();
     sim_dev_get_memory(dev, &props->memory_free, &props->memory_total);
     props->caps = {
@@ -1357,7 +1359,8 @@ bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
 }
 
 bool sim_dev_supports_buft(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft) {
-    return buft == &device_of(dev)->buft;
+    // integrated: the device computes on its host buffers where they are, as ggml-cuda does on an integrated GPU
+    return buft == &device_of(dev)->buft || (sim_cfg().integrated && buft == &reg_state()->host_buft);
 }
 
 // ggml-cuda's rule (get_op_batch_size): MUL_MAT by ne[1], MUL_MAT_ID and ROPE by ne[2] (tokens), never GET_ROWS
