@@ -46,7 +46,8 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole",
                                            "moe-cache-whole-routed", "moe-cache-split-ops", "moe-cache-seed-off",
                                            "moe-cache-half", "moe-cache-10-slots", "moe-cache-poison",
-                                           "moe-cache-probe-below", "moe-cache-probe-lookup") else set()
+                                           "moe-cache-probe-below", "moe-cache-probe-lookup",
+                                           "moe-cache-async") else set()
         if knobs == "moe-cache-split-ops":
             assert checks["cache"]["detail"]["decode_path"] == "mixed"
         if knobs == "moe-cache-probe-below":
@@ -77,7 +78,8 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
     assert all(r["reference"] == "cpu-moe" for (knobs, n), r in refs.items() if n > 2 or knobs == "moe-cache")
     controls = {c["cell"]["name"]: c for c in cells if c["cell"]["expect"] == "mismatch"}
     assert set(controls) == {"control/repack-on-vs-off", "control/sim-skip-wait", "control/sim-moe-cache-stale",
-                             "control/sim-moe-cache-host-stale", "control/sim-moe-cache-whole-stale"}
+                             "control/sim-moe-cache-host-stale", "control/sim-moe-cache-whole-stale",
+                             "control/sim-async-cpu-unsafe"}
     for name, control in controls.items():
         assert control["status"] == "pass"
         checks = {c["name"]: c for c in control["checks"]}
