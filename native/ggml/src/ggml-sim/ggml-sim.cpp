@@ -75,6 +75,7 @@ struct sim_config {
     int64_t     host_map_fail_nth  = 0; // 0: none
     bool        host_no_mapped     = false;
     bool        integrated         = false; // GGML_SIM_INTEGRATED: an integrated GPU, which uses its host buffers in place
+    bool        no_masked_ids      = false; // GGML_SIM_NO_MASKED_IDS: the device does not report masked expert ids
     int64_t     offload_min_batch  = 32;
     int         cuda_cc            = 0; // GGML_SIM_CC: the compute capability whose mul_mat_id rule SIM reports
     std::string oplog_path;
@@ -137,6 +138,7 @@ const sim_config & sim_cfg() {
         c.host_map_fail_nth  = (int64_t) env_double("GGML_SIM_HOST_MAP_FAIL_NTH", 0);
         c.host_no_mapped     = env_double("GGML_SIM_HOST_NO_MAPPED", 0) != 0;
         c.integrated         = env_double("GGML_SIM_INTEGRATED", 0) != 0;
+        c.no_masked_ids      = env_double("GGML_SIM_NO_MASKED_IDS", 0) != 0;
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
         c.cuda_cc            = (int) env_double("GGML_SIM_CC", 0);
         const char * log = getenv("GGML_SIM_OPLOG");
@@ -1096,6 +1098,9 @@ void guard_indices(const ggml_tensor * node, const char * dev, int inst) {
                 for (int64_t i0 = 0; i0 < ids->ne[0]; i0++) {
                     char * p = row + i0*ids->nb[0];
                     const int64_t v = ids->type == GGML_TYPE_I32 ? (int64_t) *(int32_t *) p : *(int64_t *) p;
+                    if (v == -1 && ggml_ids_masked(node)) {
+                        continue; // "no expert": the kernel takes it
+                    }
                     if (v < 0 || v >= bound) {
                         n_bad++;
                         if (ids->type == GGML_TYPE_I32) {
@@ -1604,6 +1609,12 @@ int sim_dev_mul_mat_id_vec_max_batch(ggml_backend_dev_t dev, ggml_type type) {
     return cc > 0 && ggml_is_quantized(type) ? get_mmvq_mmid_max_batch(type, cc) : MMVQ_MAX_BATCH_SIZE;
 }
 
+// SIM computes with the CPU's kernels, which take masked ids; GGML_SIM_NO_MASKED_IDS=1 plays a device that does not
+bool sim_dev_masked_ids(ggml_backend_dev_t dev) {
+    GGML_UNUSED(dev);
+    return !sim_cfg().no_masked_ids;
+}
+
 void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     GGML_UNUSED(reg);
     if (strcmp(name, "ggml_backend_set_n_threads") == 0) {
@@ -1635,6 +1646,9 @@ void * sim_reg_get_proc_address(ggml_backend_reg_t reg, const char * name) {
     }
     if (strcmp(name, GGML_BACKEND_DEV_READS_HOST_IN_PLACE_PROC) == 0) {
         return (void *) (ggml_backend_dev_reads_host_in_place_t) sim_dev_reads_host_in_place;
+    }
+    if (strcmp(name, GGML_BACKEND_DEV_MASKED_IDS_PROC) == 0) {
+        return (void *) (ggml_backend_dev_masked_ids_t) sim_dev_masked_ids;
     }
     if (strcmp(name, GGML_BACKEND_DEV_MUL_MAT_ID_VEC_MAX_BATCH_PROC) == 0) {
         return (void *) (ggml_backend_dev_mul_mat_id_vec_max_batch_t) sim_dev_mul_mat_id_vec_max_batch;
