@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from ggml_program import compile_program
 from pyllama_moe.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.build
@@ -28,22 +28,9 @@ PROGRAM = PROJECT_ROOT / "tests" / "native" / "test_async_cpu.cpp"
 SIM = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1"}
 
 
-def _source_dir(build) -> Path:
-    cache = (build.path / "CMakeCache.txt").read_text()
-    return Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", cache, re.M).group(1))
-
-
 @pytest.fixture(scope="module")
 def program(patched_build, tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("async-cpu") / "test_async_cpu"
-    lib = patched_build.bin_dir
-    subprocess.run([cxx, "-std=c++17", "-O1", str(PROGRAM), "-I", str(_source_dir(patched_build) / "ggml" / "include"),
-                    "-L", str(lib), "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)],
-                   check=True)
-    return exe
+    return compile_program(patched_build, PROGRAM, tmp_path_factory.mktemp("async-cpu"))
 
 
 def _run(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
@@ -140,16 +127,8 @@ TSAN_OPTIONS = ("-DGGML_SANITIZE_THREAD=ON", "-DGGML_OPENMP=OFF")
 def tsan_program(src, tmp_path_factory):
     from pyllama_moe.build.builder import resolve
 
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     build = resolve("patched", "cpu", extra_options=TSAN_OPTIONS, targets=("ggml", "ggml-cpu"))
-    exe = tmp_path_factory.mktemp("async-cpu-tsan") / "test_async_cpu"
-    lib = build.bin_dir
-    subprocess.run([cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", str(PROGRAM),
-                    "-I", str(_source_dir(build) / "ggml" / "include"), "-L", str(lib), "-lggml", "-lggml-base",
-                    "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)], check=True)
-    return exe
+    return compile_program(build, PROGRAM, tmp_path_factory.mktemp("async-cpu-tsan"), "-g", "-fsanitize=thread")
 
 
 @pytest.mark.parametrize("case,env", [

@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from ggml_program import compile_program
 from pyllama_moe.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.build
 
 PROGRAM = PROJECT_ROOT / "tests" / "native" / "test_masked_ids.cpp"
-
-
-def _source_dir(build) -> Path:
-    cache = (build.path / "CMakeCache.txt").read_text()
-    return Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", cache, re.M).group(1))
 
 
 def _env(**extra: str) -> dict:
@@ -31,15 +25,7 @@ def _env(**extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def program(patched_build, tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("masked-ids") / "test_masked_ids"
-    lib = patched_build.bin_dir
-    subprocess.run([cxx, "-std=c++17", "-O1", str(PROGRAM), "-I", str(_source_dir(patched_build) / "ggml" / "include"),
-                    "-L", str(lib), "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)],
-                   check=True)
-    return exe
+    return compile_program(patched_build, PROGRAM, tmp_path_factory.mktemp("masked-ids"))
 
 
 @pytest.mark.parametrize("device", ["cpu", "sim"])

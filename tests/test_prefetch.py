@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from ggml_program import compile_program
 from pyllama_moe.harness import models, runner
 from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR, PROJECT_ROOT
@@ -28,22 +28,9 @@ HAZARDS = PROJECT_ROOT / "tests" / "native" / "test_prefetch_hazards.cpp"
 SIM_SLOW = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "20000"}
 
 
-def _source_dir(build) -> Path:
-    cache = (build.path / "CMakeCache.txt").read_text()
-    return Path(re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", cache, re.M).group(1))
-
-
 @pytest.fixture(scope="module")
 def hazards(patched_build, tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("hazards") / "test_prefetch_hazards"
-    lib = patched_build.bin_dir
-    subprocess.run([cxx, "-std=c++17", "-O1", str(HAZARDS), "-I", str(_source_dir(patched_build) / "ggml" / "include"),
-                    "-L", str(lib), "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)],
-                   check=True)
-    return exe
+    return compile_program(patched_build, HAZARDS, tmp_path_factory.mktemp("hazards"))
 
 
 def _hazard(exe: Path, case: str, **env: str) -> subprocess.CompletedProcess:
