@@ -137,6 +137,24 @@ def test_llama_bench_runs_the_cache_probes_as_rows(patched_build, tiny_model):
     assert bad.returncode != 0 and "--moe-cache-probe 3: expected 0 (off)" in bad.stderr
 
 
+def test_llama_bench_runs_the_cpu_worker_off_and_on_as_rows(patched_build, tiny_model):
+    # -sac 0,1 on SIM with layers 0-1's experts on the host: the column sac, and the worker's rows as rows of one run;
+    # the markdown table shows the column
+    args = [str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-p", "0", "-n", "8", "-r", "2", "-t", "2",
+            "-ngl", "99", "-ncmoe", "2", "-sac", "0,1"]
+    proc = subprocess.run([*args, "-o", "json"], capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    off, on = json.loads(proc.stdout)
+    assert (off["sched_async_cpu"], on["sched_async_cpu"]) == (0, 1) and off["avg_ts"] > 0 and on["avg_ts"] > 0
+    md = subprocess.run([*args, "-o", "md"], capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    header = [c.strip() for c in next(ln for ln in md.stdout.splitlines() if ln.startswith("|")).split("|")]
+    assert "sac" in header
+    # out of range: one clear line, nothing run
+    bad = subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-sac", "2"],
+                         capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    assert bad.returncode != 0 and "--sched-async-cpu 2: expected 0" in bad.stderr
+
+
 def test_each_side_builds_from_the_archive_it_names(monkeypatch, tmp_path):
     # the series before a change against the one after: both "patched", each from its own `source pack` archive
     from pyllama_moe.build import builder as build_mod
