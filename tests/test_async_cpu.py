@@ -155,3 +155,28 @@ def test_thread_sanitizer_sees_the_race_a_missing_wait_makes(tsan_program):
                 **{**SLOW_COPIES, "GGML_SIM_COPY_LATENCY_US": "5000", "GGML_SCHED_ASYNC_CPU_DEBUG_UNSAFE": "1"})
     assert proc.returncode == 66 and "WARNING: ThreadSanitizer: data race" in proc.stderr, proc.stdout + proc.stderr[-3000:]
     assert "ggml_sched_cpu_worker" in proc.stderr  # one side of the race is the worker
+
+
+PROMPT = " ".join(f"w{(k * 37) % 97}" for k in range(40))
+
+
+def _complete(build, model, *args: str, **env: str) -> subprocess.CompletedProcess:
+    prefixes = ("GGML_SIM_", "GGML_SCHED_", "LLAMA_ARG_", "LLAMA_MOE_")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    return subprocess.run([str(build.bin_dir / "llama-completion"), "-m", str(model), "-ngl", "99", "-ncmoe", "2", "-p",
+                           PROMPT, "-n", "12", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v", *args],
+                          capture_output=True, text=True, timeout=300, env={**clean, "GGML_SIM_DEVICES": "1", **env})
+
+
+def test_the_flag_and_its_environment_variable_turn_the_worker_on_with_the_same_text(patched_build, tiny_model):
+    off = _complete(patched_build, tiny_model)
+    flag = _complete(patched_build, tiny_model, "--sched-async-cpu", "1")
+    env = _complete(patched_build, tiny_model, LLAMA_ARG_SCHED_ASYNC_CPU="1")
+    for proc in (off, flag, env):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    # said once per reservation where the worker is used, never without it
+    assert "asynchronous CPU splits on" not in off.stderr
+    assert "asynchronous CPU splits on" in flag.stderr and "asynchronous CPU splits on" in env.stderr
+    assert flag.stdout == off.stdout == env.stdout and len(off.stdout) > len(PROMPT)
+    bad = _complete(patched_build, tiny_model, "--sched-async-cpu", "2")
+    assert bad.returncode != 0 and "expected 0 (off) or 1 (on)" in bad.stderr
