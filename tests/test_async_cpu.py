@@ -115,7 +115,8 @@ def test_the_round_trip_tool_times_each_leg_on_sim(patched_build):
 def test_the_round_trip_tool_refuses_bad_arguments_in_one_line(patched_build, args, named):
     proc = subprocess.run([str(patched_build.bin_dir / "llama-moe-roundtrip"), *args], capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {named}"), proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {named}"), proc.stderr
 
 
 # ThreadSanitizer: the scheduler, SIM and the CPU backend built with -fsanitize=thread (ggml's own option, OpenMP off
@@ -153,7 +154,8 @@ def test_thread_sanitizer_sees_the_race_a_missing_wait_makes(tsan_program):
     # synchronization.)
     proc = _run(tsan_program, "download", TSAN_OPTIONS="halt_on_error=1 exitcode=66",
                 **{**SLOW_COPIES, "GGML_SIM_COPY_LATENCY_US": "5000", "GGML_SCHED_ASYNC_CPU_DEBUG_UNSAFE": "1"})
-    assert proc.returncode == 66 and "WARNING: ThreadSanitizer: data race" in proc.stderr, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 66, proc.stdout + proc.stderr[-3000:]
+    assert "WARNING: ThreadSanitizer: data race" in proc.stderr, proc.stderr[-3000:]
     assert "ggml_sched_cpu_worker" in proc.stderr  # one side of the race is the worker
 
 
@@ -164,7 +166,8 @@ def _complete(build, model, *args: str, **env: str) -> subprocess.CompletedProce
     prefixes = ("GGML_SIM_", "GGML_SCHED_", "LLAMA_ARG_", "LLAMA_MOE_")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     return subprocess.run([str(build.bin_dir / "llama-completion"), "-m", str(model), "-ngl", "99", "-ncmoe", "2", "-p",
-                           PROMPT, "-n", "12", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v", *args],
+                           PROMPT, "-n", "12", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v",
+                           *args],
                           capture_output=True, text=True, timeout=300, env={**clean, "GGML_SIM_DEVICES": "1", **env})
 
 

@@ -142,11 +142,12 @@ def test_llama_bench_runs_the_cpu_worker_off_and_on_as_rows(patched_build, tiny_
     # the markdown table shows the column
     args = [str(patched_build.tool("llama-bench")), "-m", str(tiny_model), "-p", "0", "-n", "8", "-r", "2", "-t", "2",
             "-ngl", "99", "-ncmoe", "2", "-sac", "0,1"]
-    proc = subprocess.run([*args, "-o", "json"], capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    sim = _env_without_sim(GGML_SIM_DEVICES="1")
+    proc = subprocess.run([*args, "-o", "json"], capture_output=True, text=True, env=sim)
     assert proc.returncode == 0, proc.stderr[-2000:]
     off, on = json.loads(proc.stdout)
     assert (off["sched_async_cpu"], on["sched_async_cpu"]) == (0, 1) and off["avg_ts"] > 0 and on["avg_ts"] > 0
-    md = subprocess.run([*args, "-o", "md"], capture_output=True, text=True, env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    md = subprocess.run([*args, "-o", "md"], capture_output=True, text=True, env=sim)
     header = [c.strip() for c in next(ln for ln in md.stdout.splitlines() if ln.startswith("|")).split("|")]
     assert "sac" in header
     # out of range: one clear line, nothing run

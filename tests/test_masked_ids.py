@@ -49,8 +49,8 @@ def test_a_device_without_masked_ids_is_refused_the_masked_ops_only(program):
 
 @pytest.mark.parametrize("op", ["MUL_MAT_ID_MASKED", "ADD_ID_MASKED"])
 def test_sim_computes_the_masked_ops_as_the_cpu_does(patched_build, op):
-    proc = subprocess.run([str(patched_build.bin_dir / "test-backend-ops"), "-b", "SIM0", "-o", op], capture_output=True,
-                          text=True, timeout=600, env=_env(GGML_SIM_DEVICES="1"))
+    proc = subprocess.run([str(patched_build.bin_dir / "test-backend-ops"), "-b", "SIM0", "-o", op],
+                          capture_output=True, text=True, timeout=600, env=_env(GGML_SIM_DEVICES="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     passed = re.search(r"(\d+)/(\d+) tests passed", proc.stdout)
     assert passed and passed.group(1) == passed.group(2) and int(passed.group(2)) > 0, proc.stdout[-3000:]
