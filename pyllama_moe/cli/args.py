@@ -113,7 +113,7 @@ _BENCH_NUMBERS = {
     ("--poll",): ("a poll percentage", 0, 100), ("-ngl", "--n-gpu-layers"): ("a GPU layer count", -1, None),
     ("-ncmoe", "--n-cpu-moe"): ("a count of MoE layers", 0, None), ("-mg", "--main-gpu"): ("a GPU index", 0, None),
     ("-mcm", "--moe-cache-mib"): ("a MiB count", 0, None), ("-mcs", "--moe-cache-seed"): ("a switch", 0, 1),
-    ("-mcp", "--moe-cache-probe"): ("a cache probe", 0, 2),
+    ("-mcp", "--moe-cache-probe"): ("a cache probe", 0, 2), ("-sac", "--sched-async-cpu"): ("a switch", 0, 1),
     ("-pf", "--sched-prefetch"): ("a prefetch mode", 0, 2), ("-pfd", "--sched-prefetch-depth"): ("a depth", 2, 8),
     ("-pfs", "--sched-prefetch-staging"): ("a MiB count", 0, None),
 }

@@ -41,6 +41,11 @@ def _seed_env(seed: str | None) -> dict[str, str]:
     return {} if seed is None else {"LLAMA_MOE_CACHE_SEED": "1" if seed == "on" else "0"}
 
 
+def _async_cpu_env(switch: str | None) -> dict[str, str]:
+    """The environment of --sched-async-cpu on|off (None: the process's own, GGML_SCHED_ASYNC_CPU or off)."""
+    return {} if switch is None else {"GGML_SCHED_ASYNC_CPU": "1" if switch == "on" else "0"}
+
+
 def _profile_env(path: Path | None) -> dict[str, str]:
     """The environment of --moe-cache-profile FILE (an absolute path: the worker runs elsewhere)."""
     return {} if path is None else {"LLAMA_MOE_CACHE_PROFILE": str(Path(path).resolve())}
@@ -53,6 +58,9 @@ def _check_run(args) -> None:
         if value is not None and args.variant != "patched":
             raise UserError(f"{flag} needs the patched build (master has no expert cache)",
                             "drop it or use --variant patched")
+    if args.sched_async_cpu is not None and args.variant != "patched":
+        raise UserError("--sched-async-cpu needs the patched build (master computes CPU splits on the calling thread)",
+                        "drop it or use --variant patched")
     if args.moe_cache_mib:  # 0 is no cache, on any build
         check_cache_has_a_device("-mcm/--moe-cache-mib", args.backend)
     if args.prompt_file is not None and args.prompt is not None:
@@ -102,7 +110,8 @@ def cmd_run(args) -> int:
                           n_cpu_moe=args.n_cpu_moe, load_mode=args.load_mode, repack=not args.no_repack,
                           n_ubatch=args.ubatch, threads=_threads(args), generate=args.generate,
                           moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None,
-                          env={**_seed_env(args.moe_cache_seed), **_profile_env(args.moe_cache_profile)})
+                          env={**_seed_env(args.moe_cache_seed), **_profile_env(args.moe_cache_profile),
+                               **_async_cpu_env(args.sched_async_cpu)})
     result = runner.run(built, src, spec)
     _show_moe_alerts(result.moe_alerts)
     if args.logits_out:
@@ -400,6 +409,9 @@ def register(sub) -> None:
     p.add_argument("--moe-cache-profile", type=output_file("profile"), metavar="FILE",
                    help="start the expert cache from this profile where it exists, add the run's expert use counts to it "
                         "at exit (patched builds; default: LLAMA_MOE_CACHE_PROFILE, none); `pyllama-moe profile show FILE`")
+    p.add_argument("--sched-async-cpu", choices=("on", "off"),
+                   help="compute CPU splits on a worker thread beside the GPU's (patched builds; default: "
+                        "GGML_SCHED_ASYNC_CPU, off; docs/async-cpu.md)")
     p.add_argument("--logits-out", type=output_file("logits file"), help="write the all-position logits (f32) as .npy")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_run)
