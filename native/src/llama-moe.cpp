@@ -174,12 +174,19 @@ bool llama_moe_sched_async_cpu_context_default() {
     return env == 1;
 }
 
-void llama_moe_default_set_sched_async_cpu(int32_t on) {
+// both setters take 0 or 1, and -1 to go back to the default; anything above is refused and said
+static bool async_cpu_value_ok(int32_t on) {
     if (on > 1) {
         LLAMA_LOG_ERROR("llama_moe: asynchronous CPU splits %d is not one of 0, 1; left as it was\n", on);
-        return;
+        return false;
     }
-    g_async_cpu.store(on >= 0 ? on : -1);
+    return true;
+}
+
+void llama_moe_default_set_sched_async_cpu(int32_t on) {
+    if (async_cpu_value_ok(on)) {
+        g_async_cpu.store(on >= 0 ? on : -1);
+    }
 }
 
 int32_t llama_moe_default_get_sched_async_cpu(void) {
@@ -187,11 +194,9 @@ int32_t llama_moe_default_get_sched_async_cpu(void) {
 }
 
 void llama_moe_set_sched_async_cpu(llama_context * ctx, int32_t on) {
-    if (on > 1) {
-        LLAMA_LOG_ERROR("llama_moe: asynchronous CPU splits %d is not one of 0, 1; left as it was\n", on);
-        return;
+    if (async_cpu_value_ok(on)) {
+        ctx->set_sched_async_cpu(on >= 0 ? on != 0 : llama_moe_sched_async_cpu_context_default());
     }
-    ctx->set_sched_async_cpu(on >= 0 ? on != 0 : llama_moe_sched_async_cpu_context_default());
 }
 
 int32_t llama_moe_get_sched_async_cpu(const llama_context * ctx) {
