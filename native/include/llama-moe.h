@@ -158,6 +158,28 @@ LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_seed(void);
 LLAMA_MOE_API void    llama_moe_default_set_moe_cache_probe(int32_t probe);
 LLAMA_MOE_API int32_t llama_moe_default_get_moe_cache_probe(void);
 
+// Miss policy: what a cached layer's decode step does with a routed expert that is not resident (docs/hot-cold.md).
+// UPLOAD: every miss is uploaded into a slot and read from the banks (a batch whose experts may not fit the slots
+// computes them hot/cold, as below, where the device can). CPU: no decode uploads; the residents come from prompts,
+// seeding and profiles, and the misses are computed on the CPU from the host weights while the GPU computes the hits
+// (hot/cold). SPLIT: at most n uploads per layer step (1..4096), the first n misses in routing order (token by token,
+// each token's experts highest score first); the rest on the CPU. Needs a device that looks the slots up and computes
+// masked expert ids (ggml-dev-caps.h); elsewhere the layer uploads every miss, said once. Process-wide default read
+// when a cache is made: kind >= 0 sets it, -1 unsets it (then LLAMA_MOE_MISS_POLICY, then UPLOAD); a kind or n out of
+// range is refused with an error line and leaves it as it was. The getters return the kind, and n through *n.
+enum llama_moe_miss_policy {
+    LLAMA_MOE_MISS_UPLOAD = 0,
+    LLAMA_MOE_MISS_CPU    = 1,
+    LLAMA_MOE_MISS_SPLIT  = 2,
+};
+LLAMA_MOE_API void    llama_moe_default_set_moe_miss_policy(int32_t kind, int32_t n);
+LLAMA_MOE_API int32_t llama_moe_default_get_moe_miss_policy(int32_t * n);
+// The policy of a context's cache (UPLOAD where it has none).
+LLAMA_MOE_API int32_t llama_moe_get_moe_miss_policy(const struct llama_context * ctx, int32_t * n);
+// Parses "upload", "cpu" or "split:N" (the flag's and the environment variable's spelling): 0 and *kind, *n set, or
+// -1 (text not one of them, or N out of 1..4096)
+LLAMA_MOE_API int32_t llama_moe_parse_miss_policy(const char * text, int32_t * kind, int32_t * n);
+
 // Profile: a GGUF file of per-layer expert use counts (pyllama_moe.expert_cache_profile, version 1). When a cache is
 // made and the file is there and was made for this model (architecture, shape and a hash of the routers), each cached
 // layer that is not filled whole starts with the experts of the highest counts in its slots, uploaded once on the
@@ -224,6 +246,10 @@ struct llama_moe_cache_counters {
 // Returns the number of layers the context caches (0: no cache; *out is zeroed). An il without a cache gives zeros.
 LLAMA_MOE_API int32_t llama_moe_cache_get_counters(const struct llama_context * ctx, int32_t il, int32_t phase,
         struct llama_moe_cache_counters * out);
+// Decode misses of layer il (< 0: all cached layers) computed on the CPU instead of uploaded (hot/cold: those the miss
+// policy does not upload, and the experts past the slots), counted once per distinct expert and layer step, as
+// n_misses counts the uploaded ones. Reads the device lookups' counters back first, as llama_moe_cache_get_counters.
+LLAMA_MOE_API uint64_t llama_moe_cache_get_cold_misses(const struct llama_context * ctx, int32_t il);
 
 // The path a cached layer took in a graph computed (docs/cache-paths.md: which batches take which, where they compute
 // and whose bytes they equal). Every graph bound counts one step per cached layer, in the phase of its size.

@@ -86,6 +86,9 @@ struct rt_layer {
     // the device lookup (llama-moe-cache-rt.h, "Decode on the device"): whether decode graphs look the layer's slots
     // up on its device, the slot state there, and where kernels there read each host tensor in place
     bool          device_lookup = false;
+    // decode graphs may compute the layer hot/cold (llama-moe-cache-rt.h): a device lookup, and masked ids on the
+    // layer's device and on the CPU
+    bool          hot_cold      = false;
     ggml_tensor * state         = nullptr;
     // this layer's word of its device's status words (rt_status): its lookups count their refusals there
     int32_t       status_dev    = -1;
@@ -130,6 +133,9 @@ struct llama_moe_cache_rt {
     std::vector<int32_t>  index;      // [n_layer] into layers, or -1
     int64_t budget_mib = 0;
     int32_t decode_max = 8;
+    // the miss policy of decode lookups (llama_moe_default_set_moe_miss_policy), read when made: the most misses a
+    // layer step fills (GGML_MOE_CACHE_FILL_ALL: upload every one that finds a slot; 0: none, "cpu"; N: "split:N")
+    int32_t max_fills = GGML_MOE_CACHE_FILL_ALL;
 
     std::vector<ggml_context *> ctxs; // the banks' tensors, one context per device
     std::vector<ggml_backend_buffer_t> bufs;
@@ -220,6 +226,22 @@ static int32_t decode_max_tokens() {
         return v > 0 ? (int32_t) v : 8;
     }();
     return n;
+}
+
+// the largest graph whose expert matmuls on host weights stay on the CPU (the scheduler offloads an op from
+// GGML_OP_OFFLOAD_MIN_BATCH tokens on; ggml-cuda and SIM read the same variable, 32 unset): the largest a hot/cold
+// layer computes, its cold experts on the CPU beside the hot ones on the device
+static int32_t hot_cold_max_tokens() {
+    static const int32_t n = [] {
+        const int64_t v = llama_moe_env_whole("GGML_OP_OFFLOAD_MIN_BATCH", 1, INT32_MAX);
+        return (int32_t) std::min<int64_t>(v > 0 ? v - 1 : 31, 4096);
+    }();
+    return n;
+}
+
+// the routed ids a layer's lookup tensor has room for: a graph that fits the slots, or a hot/cold graph
+static int64_t lookup_max_ids(int32_t n_slots, int32_t n_used) {
+    return std::max<int64_t>(n_slots, (int64_t) hot_cold_max_tokens() * n_used);
 }
 
 // LLAMA_MOE_CACHE_COPY_BATCH=0: a prompt's staging copies one run per call even where the device batches them (for
@@ -327,7 +349,7 @@ static int32_t layer_n_tensors(const rt_layer & l) {
 // the slot map and the device lookup's state of one layer: what a cached layer takes besides its slots
 static size_t layer_overhead_bytes(const rt_layer & l, int32_t decode_max) {
     return (size_t) l.n_expert * decode_max * sizeof(int32_t) +
-           (size_t) ggml_moe_cache_tensor_size(l.n_expert, l.n_expert, l.n_expert) * sizeof(int32_t);
+           (size_t) ggml_moe_cache_tensor_size(l.n_expert, l.n_expert, lookup_max_ids(l.n_expert, l.n_used)) * sizeof(int32_t);
 }
 
 llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_backend_dev_t dev) {
@@ -386,9 +408,10 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         if (n_slots[i] > 0) {
             l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, rt.decode_max);
             ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
-            // the slot state, then what a lookup leaves: the fills and the slot ids of a decode graph, whose routed ids
-            // never outnumber the slots (llama_moe_cache_graph_layer)
-            l.state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, ggml_moe_cache_tensor_size(l.n_expert, n_slots[i], n_slots[i]));
+            // the slot state, then what a lookup leaves: the fills, the slot and cold ids of a decode graph (one whose
+            // routed ids fit the slots, or a hot/cold one)
+            l.state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, ggml_moe_cache_tensor_size(l.n_expert, n_slots[i],
+                    lookup_max_ids(n_slots[i], l.n_used)));
             ggml_format_name(l.state, "moe_cache_state-%d", l.il);
         }
         l.n_slots = n_slots[i];
@@ -627,6 +650,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
     }
     rt->layers = cand;
     rt->probe  = llama_moe_cache_context_probe();
+    rt->max_fills = llama_moe_cache_context_max_fills();
     std::vector<llama_moe_cache_layer_desc> descs(rt->layers.size());
     std::vector<int32_t> n_slots_all(rt->layers.size(), 0);
     for (ggml_backend_dev_t dev : devs) {
@@ -974,6 +998,54 @@ static void write_profile_locked(llama_moe_cache_rt & rt, uint64_t n_decode, uin
             "context added (%u runs)\n", rt.profile_path.c_str(), n_decode, n_prompt, p.n_runs);
 }
 
+// why decode graphs cannot compute layer l hot/cold (its cold experts on the CPU beside the hot ones on its device),
+// or nullptr; asked once the layer looks its slots up on the device
+static const char * hot_cold_unfit(const rt_layer & l) {
+    if (!l.device_lookup) {
+        return "decode plans its slots on the host";
+    }
+    if (!ggml_backend_dev_masked_ids(l.dev)) {
+        return "its device does not compute expert ids of -1 (masked ids)";
+    }
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu == nullptr || !ggml_backend_dev_masked_ids(cpu)) {
+        return "the CPU backend does not compute expert ids of -1 (masked ids)";
+    }
+    return nullptr;
+}
+
+// the miss policy as its flag spells it
+static std::string miss_policy_name(int32_t max_fills) {
+    return max_fills == GGML_MOE_CACHE_FILL_ALL ? "upload" : max_fills == 0 ? "cpu" : "split:" + std::to_string(max_fills);
+}
+
+// said once per device when the cache is made: which layers compute their cold experts on the CPU, and where a policy
+// other than upload cannot be followed, why
+static void explain_hot_cold(const llama_moe_cache_rt & rt, ggml_backend_dev_t dev) {
+    int32_t n_on = 0, n_all = 0;
+    const char * why_not = nullptr;
+    for (const rt_layer & l : rt.layers) {
+        if (l.dev == dev) {
+            n_on += l.hot_cold;
+            n_all++;
+            why_not = why_not ? why_not : hot_cold_unfit(l);
+        }
+    }
+    const std::string policy = miss_policy_name(rt.max_fills);
+    if (n_on == n_all) {
+        LLAMA_LOG_INFO("llama_moe: expert cache on %s: miss policy %s; decode graphs of up to %d tokens compute the misses "
+                "they do not upload, and the experts past the slots, on the CPU beside the banks (hot/cold)\n",
+                ggml_backend_dev_name(dev), policy.c_str(), hot_cold_max_tokens());
+    } else if (rt.max_fills != GGML_MOE_CACHE_FILL_ALL) {
+        LLAMA_LOG_WARN("llama_moe: expert cache on %s: miss policy %s not followed in %d of %d layers, which upload every "
+                "miss (and take the staging path where the experts may not fit): %s\n", ggml_backend_dev_name(dev),
+                policy.c_str(), n_all - n_on, n_all, why_not);
+    } else {
+        LLAMA_LOG_INFO("llama_moe: expert cache on %s: %d of %d layers take the staging path where a decode graph's experts "
+                "may not fit the slots, not hot/cold: %s\n", ggml_backend_dev_name(dev), n_all - n_on, n_all, why_not);
+    }
+}
+
 // LLAMA_MOE_CACHE_DEVICE=0: decode plans on the host even where the device could look its slots up; read once
 static bool device_lookup_on() {
     static const bool on = llama_moe_env_whole("LLAMA_MOE_CACHE_DEVICE", 0, 1) != 0;
@@ -1000,7 +1072,7 @@ static const char * layer_device_unfit(rt_layer & l) {
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * ids    = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, l.n_used, 1);
     ggml_tensor * status = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1); // the shape of a layer's word (not allocated)
-    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, status, l.n_expert, l.n_slots);
+    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, status, l.n_expert, l.n_slots, GGML_MOE_CACHE_FILL_ALL);
     const char * why = nullptr;
     if (!ggml_backend_dev_supports_op(l.dev, lookup)) {
         why = "its backend lacks the lookup ops (GGML_OP_MOE_CACHE_LOOKUP, GGML_OP_MOE_CACHE_FILL) for this layer";
@@ -1032,6 +1104,7 @@ static void choose_device_lookup(llama_moe_cache_rt & rt) {
             }
             const char * why = layer_device_unfit(l);
             l.device_lookup = why == nullptr;
+            l.hot_cold      = l.device_lookup && hot_cold_unfit(l) == nullptr;
             n_on += l.device_lookup;
             n_all++;
             why_not = why_not ? why_not : why;
@@ -1043,6 +1116,7 @@ static void choose_device_lookup(llama_moe_cache_rt & rt) {
             LLAMA_LOG_INFO("llama_moe: expert cache on %s: decode plans %d of %d layers on the host (a synchronization per "
                     "layer): %s\n", ggml_backend_dev_name(dev), n_all - n_on, n_all, why_not);
         }
+        explain_hot_cold(rt, dev);
     }
 }
 
@@ -1082,10 +1156,10 @@ static void add_device_counters(llama_moe_cache_rt & rt, size_t i, const int32_t
         LLAMA_LOG_ERROR("llama_moe: %" PRIu64 " device lookups of layer %d changed nothing: those steps read slot 0\n",
                 n[GGML_MOE_CACHE_COUNT_REFUSED], l.il);
     } else if (n[GGML_MOE_CACHE_COUNT_REFUSED] > 0) {
-        // graph_layer_for sends only graphs whose experts fit the slots, and router ids are in range: a refusal read
-        // slot 0 for every expert of that step, as the host-side plan would have asserted
-        GGML_ABORT("llama_moe: %" PRIu64 " device lookups of layer %d changed nothing (more experts than slots, an id out "
-                "of range, or an inconsistent state)", n[GGML_MOE_CACHE_COUNT_REFUSED], l.il);
+        // router ids are in range and the state is the cache's own: a refusal read slot 0 for every expert of that
+        // step, as the host-side plan would have asserted
+        GGML_ABORT("llama_moe: %" PRIu64 " device lookups of layer %d changed nothing (an id out of range, or an "
+                "inconsistent state)", n[GGML_MOE_CACHE_COUNT_REFUSED], l.il);
     }
     llama_moe_cache_stats & st = rt.plan->layers[i].stats[LLAMA_MOE_CACHE_PHASE_DECODE];
     st.n_ubatches     += n[GGML_MOE_CACHE_COUNT_LOOKUPS];
@@ -1093,6 +1167,7 @@ static void add_device_counters(llama_moe_cache_rt & rt, size_t i, const int32_t
     st.n_misses       += n[GGML_MOE_CACHE_COUNT_MISSES];
     st.n_fills        += n[GGML_MOE_CACHE_COUNT_MISSES];
     st.n_evictions    += n[GGML_MOE_CACHE_COUNT_EVICTIONS];
+    st.n_cold         += n[GGML_MOE_CACHE_COUNT_COLD];
     st.bytes_uploaded += n[GGML_MOE_CACHE_COUNT_MISSES] * layer_expert_bytes(l);
 }
 
@@ -1327,11 +1402,12 @@ int32_t llama_moe_cache_n_in_place(const llama_moe_cache_rt * rt) {
 
 const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
         int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
-        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place,
-        bool * device) {
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool can_mask, bool * staging,
+        bool * in_place, bool * device, bool * hot_cold) {
     *staging  = false;
     *in_place = false;
     *device   = false;
+    *hot_cold = false;
     // n_tokens 0: the last layer of a ubatch none of whose tokens is an output (llama.cpp drops the rows nobody reads)
     if (rt == nullptr || il < 0 || il >= (int32_t) rt->index.size() || rt->index[il] < 0 || n_tokens < 1) {
         return nullptr;
@@ -1350,15 +1426,30 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
         *in_place = true;
         return &l.g;
     }
-    // the host-side plan: graphs of at most decode_max tokens routed to the layer's number of experts (llama.cpp's
-    // warmup routes to all of them and takes the host path)
-    if (n_tokens > rt->decode_max || n_expert_used != l.n_used) {
+    // routed to the layer's number of experts (llama.cpp's warmup routes to all of them and takes the host path)
+    if (n_expert_used != l.n_used) {
         return nullptr;
     }
-    // the plan must never overflow: every expert the tokens may route to fits the slots. A graph that could
-    // overflow takes the staging path (the host weights) for the layer, and so does one whose mul_mat_id on the
-    // device would take a kernel that splits its work by the bank's expert count (vec_max)
-    if (n_tokens * l.n_used > l.n_slots || n_tokens > l.vec_max) {
+    // a graph whose experts always fit the slots, and whose mul_mat_id on the device takes a kernel that does not
+    // split its work by the bank's expert count (vec_max), with every miss uploaded: the banks alone, looked up on the
+    // device or planned on the host
+    const bool fits = n_tokens <= rt->decode_max && n_tokens * l.n_used <= l.n_slots && n_tokens <= l.vec_max;
+    if (fits && rt->max_fills == GGML_MOE_CACHE_FILL_ALL) {
+        *device = l.device_lookup;
+        return &l.g;
+    }
+    // hot/cold: any graph whose expert matmuls on the host weights stay on the CPU, under every policy; what the
+    // lookup does not fill (the policy, or the experts past the slots) is computed there beside the banks
+    if (l.hot_cold && can_mask && n_tokens <= hot_cold_max_tokens()) {
+        *device   = true;
+        *hot_cold = true;
+        return &l.g;
+    }
+    // else the host weights: the staging path for decode sizes (counted), the host path above
+    if (n_tokens > rt->decode_max) {
+        return nullptr;
+    }
+    if (!fits) {
         *staging = true;
         return nullptr;
     }
@@ -1367,13 +1458,17 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
 }
 
 ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_context * ctx,
-        ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks) {
+        ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks, ggml_tensor ** cold_ids) {
     GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
     rt_layer & l = rt->layers[rt->index[il]];
-    GGML_ASSERT(l.device_lookup && ids->type == GGML_TYPE_I32 && ids->ne[0] == l.n_used && ids->ne[1] * l.n_used <= l.n_slots);
+    const int64_t n_ids = ids->ne[0] * ids->ne[1];
+    GGML_ASSERT(l.device_lookup && ids->type == GGML_TYPE_I32 && ids->ne[0] == l.n_used);
+    GGML_ASSERT(cold_ids != nullptr ? l.hot_cold && n_ids <= lookup_max_ids(l.n_slots, l.n_used) : n_ids <= l.n_slots);
     ggml_tensor * words  = rt->statuses[l.status_dev].words;
     ggml_tensor * status = ggml_view_1d(ctx, words, 1, (size_t) l.status_index * ggml_element_size(words));
-    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, status, l.n_expert, l.n_slots);
+    // only a hot/cold graph may leave misses cold: elsewhere every miss is filled, as the banks alone need
+    ggml_tensor * lookup = ggml_moe_cache_lookup(ctx, ids, l.state, status, l.n_expert, l.n_slots,
+            cold_ids != nullptr ? rt->max_fills : GGML_MOE_CACHE_FILL_ALL);
     ggml_format_name(lookup, "moe_cache_lookup-%d", il);
     ggml_build_forward_expand(gf, lookup);
     // every fill before the first matmul: the backend fuses the matmuls that follow one another (gate, up, glu)
@@ -1395,8 +1490,14 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
         banks[k] = fill;
     }
     routes.push_back({ lookup, ids, il, false, false, true, false, graph_tokens });
-    // the slot ids inside the lookup's result (a view of the state): the matmuls read them after the lookup by data
+    // the slot ids inside the lookup's result (a view of the state): the matmuls read them after the lookup by data;
+    // the cold ids follow them
     const size_t slot_ids = (size_t) ggml_moe_cache_tensor_layout_of(l.n_expert, l.n_slots).slot_ids * sizeof(int32_t);
+    if (cold_ids != nullptr) {
+        *cold_ids = ggml_view_2d(ctx, lookup, ids->ne[0], ids->ne[1], ids->ne[0] * sizeof(int32_t),
+                slot_ids + (size_t) n_ids * sizeof(int32_t));
+        ggml_format_name(*cold_ids, "moe_cache_cold_ids-%d", il);
+    }
     return ggml_view_2d(ctx, lookup, ids->ne[0], ids->ne[1], ids->ne[0] * sizeof(int32_t), slot_ids);
 }
 
@@ -1964,6 +2065,21 @@ int32_t llama_moe_cache_path_steps_of(const llama_moe_cache_rt * rt, int32_t il,
         }
     }
     return (int32_t) rt->layers.size();
+}
+
+uint64_t llama_moe_cache_cold_of(llama_moe_cache_rt * rt, int32_t il) {
+    if (rt == nullptr) {
+        return 0;
+    }
+    read_back_counters(*rt);
+    if (il >= 0 && (il >= (int32_t) rt->index.size() || rt->index[il] < 0)) {
+        return 0;
+    }
+    return rt->plan->get_stats(il, LLAMA_MOE_CACHE_PHASE_DECODE).n_cold;
+}
+
+int32_t llama_moe_cache_max_fills(const llama_moe_cache_rt * rt) {
+    return rt ? rt->max_fills : GGML_MOE_CACHE_FILL_ALL;
 }
 
 int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t phase, llama_moe_cache_counters * out) {

@@ -132,15 +132,24 @@ void llama_moe_cache_ctx_free(llama_moe_cache_rt * rt);
 // routed to the layer's number of experts (llama.cpp's warmup, which routes to all of them, reads the host weights);
 // *staging: the layer is cached but the graph is too large for its slots (the staging path), to be counted.
 // *device: the banks are read through a lookup on the device (llama_moe_cache_build_device_lookup), not the slot map.
+// *hot_cold: ... and the layer is computed hot/cold: a graph of up to hot_cold_max_tokens (the CPU keeps host-weight
+// matmuls below GGML_OP_OFFLOAD_MIN_BATCH) whose lookup follows the miss policy and leaves cold what it does not fill,
+// under every policy where the graph's experts may not fit the slots (else the staging path). The cold experts are
+// computed on the CPU from the host weights with the lookup's cold ids, the others from the banks at its slot ids,
+// each with the other's ids masked (-1: an exactly zero row), and the two added; adding an exact zero changes no bit,
+// so each routed row is the bytes of the kernel that computed it. can_mask: the layer's call has no per-expert scales
+// and no adapters (indexed by the router's ids, which a masked branch does not read).
 const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_cache_rt * rt, int32_t il, int64_t n_tokens,
         int64_t n_expert, int64_t n_expert_used, const ggml_tensor * gate_exps, const ggml_tensor * up_exps,
-        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool * staging, bool * in_place,
-        bool * device);
+        const ggml_tensor * down_exps, const ggml_tensor * gate_up_exps, bool op_offload, bool can_mask, bool * staging,
+        bool * in_place, bool * device, bool * hot_cold);
 // build_moe_ffn, for a layer sent to the device, once its routing is expanded: the lookup of ids and the fills of the
 // misses, expanded into gf before anything that reads them; banks[k] (LLAMA_MOE_CACHE_N_TENSORS) become the filled
-// banks the matmuls and bias adds read. Records the layer's route; returns the slot ids ([n_used, n_tokens]).
+// banks the matmuls and bias adds read. Records the layer's route; returns the slot ids ([n_used, n_tokens]). cold_ids:
+// nullptr, or a hot/cold layer (graph_layer_for), which gets the cold ids ([n_used, n_tokens]); the slot ids are then
+// -1 where cold.
 ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_context * ctx,
-        ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks);
+        ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks, ggml_tensor ** cold_ids);
 // a layer the cache reads (banks, in_place) or counts (staging) records its routing: the eval callback plans a banks
 // route, the bind counts the others
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
@@ -191,6 +200,10 @@ void llama_moe_cache_debug_bind_us(const llama_moe_cache_rt * rt, int64_t * sync
 // llama_moe_cache_get_counters: the stats of layer il (< 0: all) and phase; returns the cached layers. Reads the device
 // lookups' counters back first (a synchronization, where a layer looked up on its device since the last handover)
 int32_t llama_moe_cache_counters_of(llama_moe_cache_rt * rt, int32_t il, int32_t phase, struct llama_moe_cache_counters * out);
+// llama_moe_cache_get_cold_misses: the decode misses of layer il (< 0: all) computed on the CPU (reads the counters back)
+uint64_t llama_moe_cache_cold_of(llama_moe_cache_rt * rt, int32_t il);
+// the miss policy of the cache, as the most misses a lookup fills (GGML_MOE_CACHE_FILL_ALL without a cache)
+int32_t llama_moe_cache_max_fills(const llama_moe_cache_rt * rt);
 // llama_moe_cache_get_path_steps: adds the path steps of layer il (< 0: all) and phase to steps; returns the cached layers
 int32_t llama_moe_cache_path_steps_of(const llama_moe_cache_rt * rt, int32_t il, int32_t phase, uint64_t * steps);
 

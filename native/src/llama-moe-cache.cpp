@@ -78,6 +78,7 @@ void llama_moe_cache_stats::add(const llama_moe_cache_stats & o) {
     n_ubatches     += o.n_ubatches;
     n_hits         += o.n_hits;
     n_misses       += o.n_misses;
+    n_cold         += o.n_cold;
     n_overflow     += o.n_overflow;
     n_fills        += o.n_fills;
     n_evictions    += o.n_evictions;
@@ -126,7 +127,7 @@ llama_moe_cache::llama_moe_cache(const std::vector<llama_moe_cache_layer_desc> &
         l.ref.assign(l.n_slots, 0);
         l.n_free = l.n_slots;
         l.marks.assign(l.n_expert + l.n_slots, 0);
-        l.distinct.assign(l.n_slots, 0);
+        l.distinct.assign(l.n_expert, 0);
         l.fill_expert.assign(l.n_slots, 0);
         l.fill_slot.assign(l.n_slots, 0);
         l.fill_evicted.assign(l.n_slots, 0);
@@ -310,24 +311,31 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_DECODE];
     out.overflow = false;
     out.slot_ids.assign((size_t) (n_tokens * n_used), 0);
+    out.cold_ids.assign((size_t) (n_tokens * n_used), -1);
     out.fills.clear();
     st.n_ubatches++;
+
+    // the graph reads the banks only where every expert fits the slots: more distinct experts than slots take the
+    // staging path here (the device lookup computes the rest cold instead)
+    std::vector<int32_t> & distinct = scratch;
+    distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
+    if ((int64_t) distinct.size() > l.n_slots) {
+        out.overflow   = true;
+        out.n_distinct = (int32_t) distinct.size();
+        count_staging(l, distinct, st);
+        return false;
+    }
 
     // the lookup the device runs (ggml-moe-cache-lookup.h): the plan depends on the routing only, never on addresses
     const ggml_moe_cache_state state = state_of(l);
     int32_t n_distinct = 0;
+    int32_t n_cold     = 0;
     const int32_t n_missed = ggml_moe_cache_lookup_slots(&state, { l.marks.data(), l.distinct.data() }, ids, n_tokens, n_used,
-            stride, out.slot_ids.data(), l.fill_expert.data(), l.fill_slot.data(), l.fill_evicted.data(), &n_distinct);
+            stride, GGML_MOE_CACHE_FILL_ALL, out.slot_ids.data(), out.cold_ids.data(), l.fill_expert.data(),
+            l.fill_slot.data(), l.fill_evicted.data(), &n_distinct, &n_cold);
     out.n_distinct = n_distinct;
     // -2: an id out of range (a caller's bug); -3 cannot be, the state is the planner's own
-    MOE_CACHE_ASSERT(n_missed >= -1 && "routed ids in [0, n_expert), a consistent slot state");
-    if (n_missed < 0) {
-        out.overflow = true;
-        std::vector<int32_t> & distinct = scratch;
-        distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
-        count_staging(l, distinct, st);
-        return false;
-    }
+    MOE_CACHE_ASSERT(n_missed >= 0 && n_cold == 0 && "routed ids in [0, n_expert), a consistent slot state");
     st.n_hits   += n_distinct - n_missed;
     st.n_misses += n_missed;
     for (int32_t i = 0; i < n_missed; i++) {

@@ -83,6 +83,7 @@ struct llama_moe_cache_stats {
     uint64_t n_ubatches     = 0;
     uint64_t n_hits         = 0; // decode: routed experts found resident; prompt: experts read from the bank
     uint64_t n_misses       = 0; // experts uploaded from the host (decode overflow included)
+    uint64_t n_cold         = 0; // decode: misses computed on the CPU (hot/cold: the policy's, and past the slots)
     uint64_t n_overflow     = 0; // decode ubatches with more distinct experts than slots (staging path)
     uint64_t n_fills        = 0; // experts made resident (decode fills, prompt admits)
     uint64_t n_evictions    = 0; // ... of them, into a slot that held another expert
@@ -108,6 +109,8 @@ struct llama_moe_cache_decode_plan {
     std::vector<int32_t> slot_ids;            // [n_tokens * n_used], token-major; always in [0, n_slots), all 0
                                               // on overflow (the graph may read them before it knows: ggml's
                                               // MUL_MAT_ID has no sentinel id)
+    std::vector<int32_t> cold_ids;            // [n_tokens * n_used]: the lookup's cold ids (all -1: a plan fills
+                                              // every miss)
     std::vector<llama_moe_cache_fill> fills;  // host -> bank uploads, before the matmuls read slot_ids
 };
 

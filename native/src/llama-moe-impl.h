@@ -39,6 +39,10 @@ enum llama_moe_cache_probe {
 };
 int32_t llama_moe_cache_context_probe();
 
+// the miss policy a new cache follows (llama-moe.h, llama_moe_default_set_moe_miss_policy): process default, else
+// LLAMA_MOE_MISS_POLICY, else upload; as the most misses a lookup fills (GGML_MOE_CACHE_FILL_ALL, 0, N)
+int32_t llama_moe_cache_context_max_fills();
+
 // the expert cache profile a new cache reads and writes: process default (llama-moe.h setter or --moe-cache-profile),
 // else LLAMA_MOE_CACHE_PROFILE, else none (empty)
 std::string llama_moe_cache_context_profile();

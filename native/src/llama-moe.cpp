@@ -8,6 +8,7 @@
 #include "llama-impl.h"
 
 #include "ggml-backend.h"
+#include "ggml-moe-cache-lookup.h"
 
 #include <algorithm>
 #include <atomic>
@@ -258,6 +259,8 @@ static std::mutex g_cache_mutex;
 static int64_t g_cache_mib  = -1; // -1: unset
 static int32_t g_cache_seed = -1; // -1: unset
 static int32_t g_cache_probe = -1; // -1: unset
+static int32_t g_miss_kind = -1; // -1: unset
+static int32_t g_miss_n    = 0;
 static std::string g_cache_profile; // empty: unset
 // device name -> the cap --fit set, and whether a cache made on the device took it already (the room --fit planned is
 // for one cache: later ones keep the cache's own margin)
@@ -316,6 +319,66 @@ int32_t llama_moe_cache_context_probe() {
     }
     static const int64_t env = llama_moe_env_whole("LLAMA_MOE_CACHE_PROBE", 0, 2);
     return (int32_t) std::max<int64_t>(env, 0);
+}
+
+// the most misses a lookup fills under a policy (ggml-moe-cache-lookup.h)
+static int32_t max_fills_of(int32_t kind, int32_t n) {
+    return kind == LLAMA_MOE_MISS_CPU ? 0 : kind == LLAMA_MOE_MISS_SPLIT ? n : GGML_MOE_CACHE_FILL_ALL;
+}
+
+static const int32_t MISS_SPLIT_MAX = 4096;
+
+int32_t llama_moe_parse_miss_policy(const char * text, int32_t * kind, int32_t * n) {
+    if (text == nullptr) {
+        return -1;
+    }
+    const std::string t = text;
+    if (t == "upload" || t == "cpu") {
+        *kind = t == "upload" ? LLAMA_MOE_MISS_UPLOAD : LLAMA_MOE_MISS_CPU;
+        *n    = 0;
+        return 0;
+    }
+    if (t.rfind("split:", 0) == 0 && t.size() > 6 && t.size() <= 12 &&
+            t.find_first_not_of("0123456789", 6) == std::string::npos) {
+        const long v = strtol(t.c_str() + 6, nullptr, 10);
+        if (v >= 1 && v <= MISS_SPLIT_MAX) {
+            *kind = LLAMA_MOE_MISS_SPLIT;
+            *n    = (int32_t) v;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+// LLAMA_MOE_MISS_POLICY, read once: kind, n (kind -1: unset or not understood)
+static std::pair<int32_t, int32_t> env_miss_policy() {
+    static const std::pair<int32_t, int32_t> p = [] {
+        const char * env = getenv("LLAMA_MOE_MISS_POLICY");
+        int32_t kind = -1, n = 0;
+        if (env != nullptr && *env != '\0' && llama_moe_parse_miss_policy(env, &kind, &n) != 0) {
+            LLAMA_LOG_WARN("llama_moe: LLAMA_MOE_MISS_POLICY=%s ignored: use upload, cpu or split:N (N 1..%d)\n", env,
+                    MISS_SPLIT_MAX);
+            kind = -1;
+        }
+        return std::make_pair(kind, n);
+    }();
+    return p;
+}
+
+static std::pair<int32_t, int32_t> context_miss_policy() {
+    {
+        std::lock_guard<std::mutex> lock(g_cache_mutex);
+        if (g_miss_kind >= 0) {
+            return { g_miss_kind, g_miss_n };
+        }
+    }
+    const auto env = env_miss_policy();
+    return env.first >= 0 ? env : std::make_pair<int32_t, int32_t>(LLAMA_MOE_MISS_UPLOAD, 0);
+}
+
+int32_t llama_moe_cache_context_max_fills() {
+    const auto p = context_miss_policy();
+    return max_fills_of(p.first, p.second);
 }
 
 std::string llama_moe_cache_context_profile() {
@@ -438,6 +501,30 @@ void llama_moe_default_set_moe_cache_profile(const char * path) {
     g_cache_profile = path ? path : "";
 }
 
+void llama_moe_default_set_moe_miss_policy(int32_t kind, int32_t n) {
+    if (kind > LLAMA_MOE_MISS_SPLIT || (kind == LLAMA_MOE_MISS_SPLIT && (n < 1 || n > MISS_SPLIT_MAX))) {
+        LLAMA_LOG_ERROR("llama_moe: miss policy %d (n %d) is not upload (0), cpu (1) or split (2) with n 1..%d; left as "
+                "it was\n", kind, n, MISS_SPLIT_MAX);
+        return;
+    }
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_miss_kind = kind >= 0 ? kind : -1;
+    g_miss_n    = kind == LLAMA_MOE_MISS_SPLIT ? n : 0;
+}
+
+int32_t llama_moe_default_get_moe_miss_policy(int32_t * n) {
+    const auto p = context_miss_policy();
+    *n = p.second;
+    return p.first;
+}
+
+int32_t llama_moe_get_moe_miss_policy(const llama_context * ctx, int32_t * n) {
+    const int32_t max_fills = llama_moe_cache_max_fills(ctx->get_cparams().moe_cache);
+    *n = max_fills > 0 && max_fills != GGML_MOE_CACHE_FILL_ALL ? max_fills : 0;
+    return max_fills == GGML_MOE_CACHE_FILL_ALL ? LLAMA_MOE_MISS_UPLOAD : max_fills == 0 ? LLAMA_MOE_MISS_CPU :
+           LLAMA_MOE_MISS_SPLIT;
+}
+
 const char * llama_moe_default_get_moe_cache_profile(void) {
     // the value in effect, kept here so that the pointer stays valid until the next call (or the next set)
     static thread_local std::string value;
@@ -470,6 +557,10 @@ int64_t llama_moe_get_moe_cache_mib(const llama_context * ctx) {
 int32_t llama_moe_cache_get_counters(const llama_context * ctx, int32_t il, int32_t phase, llama_moe_cache_counters * out) {
     *out = {};
     return llama_moe_cache_counters_of(ctx->get_cparams().moe_cache, il, phase, out);
+}
+
+uint64_t llama_moe_cache_get_cold_misses(const llama_context * ctx, int32_t il) {
+    return llama_moe_cache_cold_of(ctx->get_cparams().moe_cache, il);
 }
 
 int32_t llama_moe_cache_get_path_steps(const llama_context * ctx, int32_t il, int32_t phase, uint64_t * steps) {

@@ -966,13 +966,15 @@ static void lookup_handover() {
             CHECK(b.set_state(0, flat.data(), why), "the state was refused: %s", why.c_str());
         }
         if (on_device) {
-            // the slot ids and the tail of a lookup (in the op's tensor the tail comes first, then the slot ids)
+            // the slot and cold ids and the tail of a lookup (in the op's tensor the tail comes first, then the ids)
             const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(40);
-            dst.assign(8 * n_tokens + d.size, -1);
-            int32_t * tail = dst.data() + 8 * n_tokens;
-            const int32_t n = ggml_moe_cache_lookup_to_dst(&dev, sc, ids.data(), n_tokens, 8, 8, dst.data(), tail);
-            CHECK(n == (int32_t) pa.fills.size() && tail[d.result] == n && tail[d.n_distinct] == pa.n_distinct,
-                    "step %d: %d fills, %zu planned", t, n, pa.fills.size());
+            dst.assign(2 * 8 * n_tokens + d.size, -1);
+            int32_t * tail = dst.data() + 2 * 8 * n_tokens;
+            const int32_t n = ggml_moe_cache_lookup_to_dst(&dev, sc, ids.data(), n_tokens, 8, 8, GGML_MOE_CACHE_FILL_ALL,
+                    dst.data(), tail);
+            CHECK(n == (int32_t) pa.fills.size() && tail[d.result] == n && tail[d.n_distinct] == pa.n_distinct &&
+                    tail[d.n_cold] == 0 && std::all_of(dst.begin() + 8 * n_tokens, dst.begin() + 16 * n_tokens,
+                    [](int32_t c) { return c == -1; }), "step %d: %d fills, %zu planned", t, n, pa.fills.size());
             want_hits   += pa.n_distinct - n;
             want_misses += n;
             CHECK(std::equal(pa.slot_ids.begin(), pa.slot_ids.end(), dst.begin()) && (int64_t) pa.slot_ids.size() == 8 * n_tokens,
@@ -1009,13 +1011,15 @@ static void lookup_handover() {
     // an id out of range (-2), a state whose free count or slots disagree (-3); a hand out of range is taken as 0
     llama_moe_cache_layer & l = b.layers[0];
     std::vector<uint8_t> marks(128 + 40, 0);
-    std::vector<int32_t> distinct(40), fe(40), fs(40), fo(40), slot_ids;
+    std::vector<int32_t> distinct(128), fe(40), fs(40), fo(40), slot_ids, cold_ids;
     auto lookup = [&](const std::vector<int32_t> & ids) {
         const ggml_moe_cache_state st = { 128, 40, l.slot_of.data(), l.expert_of.data(), l.ref.data(), &l.hand, &l.n_free, nullptr };
         slot_ids.assign(ids.size(), -7);
-        int32_t n_distinct = 0;
+        cold_ids.assign(ids.size(), -7);
+        int32_t n_distinct = 0, n_cold = 0;
         const int32_t n = ggml_moe_cache_lookup_slots(&st, { marks.data(), distinct.data() }, ids.data(), 1, (int32_t) ids.size(),
-                (int64_t) ids.size(), slot_ids.data(), fe.data(), fs.data(), fo.data(), &n_distinct);
+                (int64_t) ids.size(), GGML_MOE_CACHE_FILL_ALL, slot_ids.data(), cold_ids.data(), fe.data(), fs.data(),
+                fo.data(), &n_distinct, &n_cold);
         for (uint8_t m : marks) {
             CHECK(m == 0, "marks left set after a lookup that returned %d", n);
         }
@@ -1023,7 +1027,8 @@ static void lookup_handover() {
     };
     const llama_moe_cache_layer before = l;
     for (const std::vector<int32_t> & ids : { std::vector<int32_t>{ 3, 128 }, std::vector<int32_t>{ -1, 3 } }) {
-        CHECK(lookup(ids) == -2 && slot_ids == std::vector<int32_t>(2, 0), "an id out of range");
+        CHECK(lookup(ids) == -2 && slot_ids == std::vector<int32_t>(2, 0) && cold_ids == std::vector<int32_t>(2, -1),
+                "an id out of range");
         CHECK(l.slot_of == before.slot_of && l.ref == before.ref && l.hand == before.hand, "changed by bad ids");
     }
     l.n_free++;
@@ -1059,10 +1064,10 @@ static void profile_counts() {
             flat.data() + ggml_moe_cache_state_counted_offset(16, 4) == st.counters, "the counted tail's offsets");
     st.uses[5] = INT32_MAX;
     std::vector<uint8_t> scratch(ggml_moe_cache_scratch_size(16, 4), 0);
-    std::vector<int32_t> dst(2 + ggml_moe_cache_tail_layout_of(4).size, -1);
+    std::vector<int32_t> dst(4 + ggml_moe_cache_tail_layout_of(4).size, -1);
     const std::vector<int32_t> one = { 5, 9 };
-    CHECK(ggml_moe_cache_lookup_to_dst(&st, ggml_moe_cache_scratch_at(scratch.data(), 16, 4), one.data(), 1, 2, 2, dst.data(),
-            dst.data() + 2) >= 0, "refused");
+    CHECK(ggml_moe_cache_lookup_to_dst(&st, ggml_moe_cache_scratch_at(scratch.data(), 16, 4), one.data(), 1, 2, 2,
+            GGML_MOE_CACHE_FILL_ALL, dst.data(), dst.data() + 4) >= 0, "refused");
     CHECK(st.uses[5] == INT32_MAX && st.uses[9] == 1, "uses %d %d", st.uses[5], st.uses[9]);
     std::string why;
     CHECK(c.set_state(0, flat.data(), why), "%s", why.c_str());
@@ -1322,10 +1327,13 @@ static int first_tokens_sim() {
 }
 
 // The lookup's phases with the state's check split over T threads (first t, step T, totals summed) and each miss
-// taken apart, as the CUDA kernel runs them, leave what the whole lookup on one thread leaves: state, slot ids, tail,
-// counters, status and marks, over random states (consistent, full, a wrong free count, a slot holding an expert out of
-// range, a hand out of range; up to 300 slots, so CLOCK walks many windows) and routings (hits, misses, evictions,
-// overflows, ids out of range). And CLOCK's window walk against the walk a slot at a time.
+// taken apart, as the CUDA kernel runs them, leave what the whole lookup on one thread leaves: state, slot and cold
+// ids, tail, counters, status and marks, over random states (consistent, full, a wrong free count, a slot holding an
+// expert out of range, a hand out of range; up to 300 slots, so CLOCK walks many windows), routings (hits, misses,
+// evictions, more experts than slots, ids out of range) and miss policies (every miss, none, a few). Every lookup that
+// plans leaves each routed id hot (its slot holds it) or cold (its expert in the cold ids), fills at most the policy's
+// misses, and leaves cold only the misses past the policy or the slots. And CLOCK's window walk against the walk a slot
+// at a time.
 static void lookup_split_check() {
     std::mt19937 rng(7);
     int n_paths[6] = {};
@@ -1370,22 +1378,26 @@ static void lookup_split_check() {
         if (rng() % 20 == 0) {
             ids[rng() % ids.size()] = rng() % 2 ? ne : -1;
         }
+        const int32_t max_fills = it % 4 == 0 ? 0 : it % 4 == 1 ? (int32_t) (rng() % 4) : GGML_MOE_CACHE_FILL_ALL;
         std::vector<int32_t> b = a;
         ggml_moe_cache_state sb = ggml_moe_cache_state_flat(b.data(), ne, ns);
         int32_t status_a = 0, status_b = 0;
         sa.status = &status_a;
         sb.status = &status_b;
         const ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(ns);
-        std::vector<int32_t> slots_a(ids.size()), slots_b(ids.size()), tail_a(d.size, -1), tail_b(d.size, -1);
+        std::vector<int32_t> slots_a(2 * ids.size()), slots_b(2 * ids.size()), tail_a(d.size, -1), tail_b(d.size, -1);
+        const std::vector<int32_t> resident_before(sa.slot_of, sa.slot_of + ne);
         std::vector<uint8_t> scr_a(ggml_moe_cache_scratch_size(ne, ns), 0), scr_b(scr_a.size(), 0);
         const ggml_moe_cache_scratch sca = ggml_moe_cache_scratch_at(scr_a.data(), ne, ns);
         const ggml_moe_cache_scratch scb = ggml_moe_cache_scratch_at(scr_b.data(), ne, ns);
 
-        const int32_t ra = ggml_moe_cache_lookup_to_dst(&sa, sca, ids.data(), nt, nu, nu, slots_a.data(), tail_a.data());
+        const int32_t ra = ggml_moe_cache_lookup_to_dst(&sa, sca, ids.data(), nt, nu, nu, max_fills, slots_a.data(),
+                tail_a.data());
 
         const int32_t n_threads = 1 + (int32_t) (rng() % 40);
-        int32_t n_distinct = 0;
-        int32_t rb = ggml_moe_cache_lookup_begin(&sb, scb, ids.data(), nt, nu, nu, slots_b.data(), &n_distinct);
+        int32_t n_distinct = 0, n_cold = 0;
+        int32_t * cold_b = slots_b.data() + ids.size();
+        int32_t rb = ggml_moe_cache_lookup_begin(&sb, scb, ids.data(), nt, nu, nu, slots_b.data(), cold_b, &n_distinct);
         if (rb == 0) {
             int32_t total_free = 0, any_bad = 0;
             for (int32_t t = 0; t < n_threads; t++) {
@@ -1395,27 +1407,45 @@ static void lookup_split_check() {
                 any_bad = any_bad || bad;
             }
             // phase 3 as the kernel runs it: the hits, each miss's slot (a warp's pick there), the rest
-            rb = ggml_moe_cache_lookup_hits(&sb, scb, n_distinct, total_free, any_bad);
+            const int32_t n_hits = ggml_moe_cache_lookup_hits(&sb, scb, n_distinct, total_free, any_bad);
+            rb = n_hits < 0 ? -3 : 0;
             if (rb == 0) {
                 int32_t n_fills = 0;
-                for (int32_t i = 0; i < n_distinct; i++) {
+                for (int32_t i = 0; i < n_distinct && ggml_moe_cache_may_fill(&sb, n_hits, n_fills, max_fills); i++) {
                     const int32_t e = scb.distinct[i];
                     if (sb.slot_of[e] < 0) {
                         ggml_moe_cache_lookup_take(&sb, scb, e, ggml_moe_cache_take_slot(&sb, scb, e),
                                 tail_b.data() + d.fill_expert, tail_b.data() + d.fill_slot, tail_b.data() + d.evicted, &n_fills);
                     }
                 }
-                ggml_moe_cache_lookup_finish(&sb, scb, ids.data(), nt, nu, nu, n_distinct, slots_b.data());
+                n_cold = ggml_moe_cache_lookup_finish(&sb, scb, ids.data(), nt, nu, nu, n_distinct, slots_b.data(), cold_b);
                 rb = n_fills;
             }
         }
-        ggml_moe_cache_lookup_record(&sb, tail_b.data(), rb, ggml_moe_cache_distinct_reported(rb, n_distinct));
+        ggml_moe_cache_lookup_record(&sb, tail_b.data(), rb, ggml_moe_cache_distinct_reported(rb, n_distinct), n_cold);
 
         CHECK(ra == rb && a == b && slots_a == slots_b && tail_a == tail_b && status_a == status_b && scr_a == scr_b,
                 "case %d (%d experts, %d slots, %d threads): result %d against %d", it, ne, ns, n_threads, ra, rb);
-        n_paths[ra < 0 ? -ra : (ra == 0 ? 4 : 5)]++;
+        if (ra >= 0) {
+            // each routed id hot (its slot holds it) or cold (its expert in the cold ids), never both
+            int32_t n_hits = 0;
+            for (int32_t i = 0; i < n_distinct; i++) {
+                n_hits += resident_before[scb.distinct[i]] >= 0;
+            }
+            const int32_t cold = tail_a[d.n_cold];
+            for (size_t i = 0; i < ids.size(); i++) {
+                const int32_t sl = slots_a[i], c = slots_a[ids.size() + i];
+                CHECK((sl >= 0 && sl < ns && sa.expert_of[sl] == ids[i] && c == -1) || (sl == -1 && c == ids[i]),
+                        "case %d: routed id %zu (expert %d) slot %d cold %d", it, i, ids[i], sl, c);
+            }
+            // the policy's fills at most; a miss is cold only past the policy or the slots
+            CHECK(ra <= max_fills && n_hits + ra + cold == n_distinct && (cold == 0 || ra == max_fills || n_hits + ra == ns),
+                    "case %d: %d hits, %d fills, %d cold of %d (policy %d, %d slots)", it, n_hits, ra, cold, n_distinct,
+                    max_fills, ns);
+        }
+        n_paths[ra < 0 ? -ra : (tail_a[d.n_cold] > 0 ? 1 : ra == 0 ? 4 : 5)]++;
     }
-    // every path was taken: overflow, bad id, bad state, all hits, fills
+    // every path was taken: cold misses, bad id, bad state, all hits, fills
     CHECK(n_paths[1] > 0 && n_paths[2] > 0 && n_paths[3] > 0 && n_paths[4] > 0 && n_paths[5] > 0,
             "paths %d %d %d %d %d", n_paths[1], n_paths[2], n_paths[3], n_paths[4], n_paths[5]);
     // a state in which two slots hold one expert is refused (-3): taking the unpinned one for a miss would lose the
@@ -1428,11 +1458,11 @@ static void lookup_split_check() {
         st.expert_of[0] = st.expert_of[1] = 3;
         *st.n_free = 0;
         const std::vector<int32_t> ids = { 3, 5 };
-        std::vector<int32_t> slots(2), tail(ggml_moe_cache_tail_layout_of(2).size, -1);
+        std::vector<int32_t> slots(4), tail(ggml_moe_cache_tail_layout_of(2).size, -1);
         std::vector<uint8_t> scratch(ggml_moe_cache_scratch_size(8, 2), 0);
         const std::vector<int32_t> before = flat;
         const int32_t r = ggml_moe_cache_lookup_to_dst(&st, ggml_moe_cache_scratch_at(scratch.data(), 8, 2), ids.data(), 1, 2, 2,
-                slots.data(), tail.data());
+                GGML_MOE_CACHE_FILL_ALL, slots.data(), tail.data());
         CHECK(r == -3 && flat[1] == before[1] && std::equal(st.slot_of, st.slot_of + 8, before.begin() + 2),
                 "a slot holding an expert held by another was taken: result %d", r);
     }

@@ -11,12 +11,16 @@
 //   hand, n_free        the CLOCK hand and the free slots
 //   uses[n_expert]      how many lookups routed to each expert (the expert cache profile's counts)
 //
-// A lookup of a ubatch's routing: the distinct experts in order of first appearance; each hit sets its reference bit
-// and is pinned; each miss takes its own slot (slot e for expert e) if that one is free, else the lowest free slot,
-// else the first slot under the hand that is not pinned and whose bit is clear (clearing the bits it passes), and is
-// pinned; slot ids are written for every routed id. More distinct experts than slots change nothing (-1). A device
-// runs this without the host's checks, so bad input changes nothing either: an id out of range (-2), a state whose
-// counts disagree with its slots (-3); a hand out of range is taken as 0.
+// A lookup of a ubatch's routing: the distinct experts in order of first appearance (token by token, each token's
+// experts in the router's order, highest score first); each hit sets its reference bit and is pinned; each miss, in
+// that order, while the lookup may still fill (fewer fills than its max_fills, the miss policy, and a slot left that
+// is not pinned), takes its own slot (slot e for expert e) if that one is free, else the lowest free slot, else the
+// first slot under the hand that is not pinned and whose bit is clear (clearing the bits it passes), and is pinned.
+// The misses left are cold: computed from the host weights, not from a slot. Slot ids are written for every routed id
+// (-1 where cold) and cold ids beside them (the expert where cold, else -1), so that the hot and the cold matmuls each
+// read their own ids with the other's masked (ggml_mul_mat_id_masked). A device runs this without the host's checks,
+// so bad input changes nothing: an id out of range (-2), a state whose counts disagree with its slots (-3); a hand out
+// of range is taken as 0.
 //
 // Use counts (uses, where not NULL): a lookup that plans (result >= 0) adds 1 to each distinct expert it routes, so a
 // layer's uses sum to its hits + misses, the counters' experts; a refused lookup counts nothing. Counted here, in the
@@ -59,7 +63,8 @@ enum ggml_moe_cache_counter {
     GGML_MOE_CACHE_COUNT_HITS,      // distinct experts found resident
     GGML_MOE_CACHE_COUNT_MISSES,    // ... and filled
     GGML_MOE_CACHE_COUNT_EVICTIONS, // fills into a slot that held another expert
-    GGML_MOE_CACHE_COUNT_REFUSED,   // lookups that changed nothing (result < 0: overflow, bad id, bad state)
+    GGML_MOE_CACHE_COUNT_REFUSED,   // lookups that changed nothing (result < 0: bad id, bad state)
+    GGML_MOE_CACHE_COUNT_COLD,      // distinct experts missed and left cold (computed on the CPU)
     GGML_MOE_CACHE_N_COUNTERS,
 };
 
@@ -73,7 +78,7 @@ GGML_MOE_CACHE_FN void ggml_moe_cache_counter_add(int32_t * counters, int which,
     counters[2 * which + 1] = (int32_t) (uint32_t) (v >> 32);
 }
 
-// scratch of a lookup: marks[n_expert + n_slots] all zero on entry (left zero on return), distinct[n_slots]
+// scratch of a lookup: marks[n_expert + n_slots] all zero on entry (left zero on return), distinct[n_expert]
 struct ggml_moe_cache_scratch {
     uint8_t * marks;
     int32_t * distinct;
@@ -86,7 +91,7 @@ GGML_MOE_CACHE_FN int64_t ggml_moe_cache_marks_padded(int32_t n_expert, int32_t 
 }
 
 GGML_MOE_CACHE_FN int64_t ggml_moe_cache_scratch_size(int32_t n_expert, int32_t n_slots) {
-    return ggml_moe_cache_marks_padded(n_expert, n_slots) + 4 * (int64_t) n_slots;
+    return ggml_moe_cache_marks_padded(n_expert, n_slots) + 4 * (int64_t) n_expert;
 }
 
 GGML_MOE_CACHE_FN struct ggml_moe_cache_scratch ggml_moe_cache_scratch_at(void * p, int32_t n_expert, int32_t n_slots) {
@@ -129,16 +134,18 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_state ggml_moe_cache_state_flat(int32_t 
 }
 
 // The tensor that GGML_OP_MOE_CACHE_LOOKUP (ggml.h) updates and returns a view of, int32: the flat state, then what one
-// lookup leaves for the ops after it (the fills and the slot ids), room for up to max_ids routed ids:
-//   [state | result | n_distinct | fill_expert[n_slots] | fill_slot[n_slots] | evicted[n_slots] | slot_ids[max_ids]]
-// result is the lookup's return (the fills, or -1 overflow, -2 an id out of range, -3 an inconsistent state); the fill
-// entries past the fills are -1; slot_ids[t * n_used + j] is the slot of routed id j of token t. The tail (result on)
-// sits at a fixed offset, so that a fill finds it whatever the ubatch; the state is a prefix, so that handing a layer
-// over between the host-side plan and a device copies only ggml_moe_cache_state_size elements. Offsets in elements,
-// so that no caller computes them by hand.
+// lookup leaves for the ops after it (the fills, the slot ids and the cold ids), room for up to max_ids routed ids:
+//   [state | result | n_distinct | n_cold | fill_expert[n_slots] | fill_slot[n_slots] | evicted[n_slots] | ids]
+// result is the lookup's return (the fills, or -2 an id out of range, -3 an inconsistent state); the fill entries past
+// the fills are -1. ids: the n_ids = n_used * n_tokens slot ids of this lookup, then its n_ids cold ids (room for
+// 2 * max_ids): slot_ids[t * n_used + j] is the slot of routed id j of token t (-1: cold), cold_ids[t * n_used + j] its
+// expert where cold (else -1). The tail (result on) sits at a fixed offset, so that a fill finds it whatever the
+// ubatch; the state is a prefix, so that handing a layer over between the host-side plan and a device copies only
+// ggml_moe_cache_state_size elements. Offsets in elements, so that no caller computes them by hand.
 struct ggml_moe_cache_tail_layout { // offsets from the tail's start (result)
     int64_t result;
     int64_t n_distinct;
+    int64_t n_cold;
     int64_t fill_expert;
     int64_t fill_slot;
     int64_t evicted;
@@ -149,7 +156,8 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_tail_layout ggml_moe_cache_tail_layout_o
     struct ggml_moe_cache_tail_layout d;
     d.result      = 0;
     d.n_distinct  = 1;
-    d.fill_expert = 2;
+    d.n_cold      = 2;
+    d.fill_expert = 3;
     d.fill_slot   = d.fill_expert + n_slots;
     d.evicted     = d.fill_slot + n_slots;
     d.size        = d.evicted + n_slots;
@@ -158,7 +166,7 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_tail_layout ggml_moe_cache_tail_layout_o
 
 struct ggml_moe_cache_tensor_layout { // offsets in the lookup's tensor
     int64_t tail;
-    int64_t slot_ids;
+    int64_t slot_ids; // a lookup's cold ids follow its slot ids: at slot_ids + n_ids
 };
 
 GGML_MOE_CACHE_FN struct ggml_moe_cache_tensor_layout ggml_moe_cache_tensor_layout_of(int32_t n_expert, int32_t n_slots) {
@@ -168,14 +176,16 @@ GGML_MOE_CACHE_FN struct ggml_moe_cache_tensor_layout ggml_moe_cache_tensor_layo
     return t;
 }
 
-// the elements of a lookup's tensor with room for max_ids routed ids (n_used * n_tokens of the largest ubatch)
+// the elements of a lookup's tensor with room for max_ids routed ids (n_used * n_tokens of the largest ubatch): a slot
+// id and a cold id each
 GGML_MOE_CACHE_FN int64_t ggml_moe_cache_tensor_size(int32_t n_expert, int32_t n_slots, int64_t max_ids) {
-    return ggml_moe_cache_tensor_layout_of(n_expert, n_slots).slot_ids + max_ids;
+    return ggml_moe_cache_tensor_layout_of(n_expert, n_slots).slot_ids + 2 * max_ids;
 }
 
 // the routed ids a lookup's tensor of n elements has room for (negative: not even the state and the tail fit)
 GGML_MOE_CACHE_FN int64_t ggml_moe_cache_tensor_max_ids(int32_t n_expert, int32_t n_slots, int64_t n) {
-    return n - ggml_moe_cache_tensor_layout_of(n_expert, n_slots).slot_ids;
+    const int64_t room = n - ggml_moe_cache_tensor_layout_of(n_expert, n_slots).slot_ids;
+    return room < 0 ? room : room / 2;
 }
 
 // expert e's own slot when it is free, else the lowest free slot; only while *n_free > 0
@@ -258,21 +268,27 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_clock_victim(const struct ggml_moe_cach
     return -1;
 }
 
+// The miss policy of a lookup is the most fills it may take (max_fills): GGML_MOE_CACHE_FILL_ALL (every miss that finds
+// a slot: "upload"), 0 (none: every miss is cold, "cpu"), or N ("split:N": the first N misses in the lookup's order)
+#define GGML_MOE_CACHE_FILL_ALL 0x7fffffff
+
 // A lookup runs in three phases, so that a device can split the middle one, the only one that visits every slot, over
 // its threads; ggml_moe_cache_lookup_slots runs them in turn, and a device that splits the middle one computes the same.
 //
-// Phase 1, ggml_moe_cache_lookup_begin (one thread): the routed ids checked and the slot ids zeroed, the distinct
-// experts in order of first appearance (their marks set), a hand out of range taken as 0. Returns 0 to go on, else the
-// lookup's result: -2 (an id out of range) or -1 (overflow; *n_distinct_out then counts every distinct expert), the
-// state unchanged but for the hand, no mark set.
+// Phase 1, ggml_moe_cache_lookup_begin (one thread): the routed ids checked, the slot ids zeroed and the cold ids set
+// to -1 (what a refused lookup leaves), the distinct experts in order of first appearance (their marks set), a hand
+// out of range taken as 0. Returns 0 to go on, else -2 (an id out of range): the state unchanged but for the hand, no
+// mark set.
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_begin(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
-        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids, int32_t * n_distinct_out) {
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids, int32_t * cold_ids,
+        int32_t * n_distinct_out) {
     uint8_t * seen = sc.marks;
     *n_distinct_out = 0;
     int bad_id = 0;
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int32_t j = 0; j < n_used; j++) {
             slot_ids[t * n_used + j] = 0;
+            cold_ids[t * n_used + j] = -1;
             bad_id = bad_id || ids[t * stride + j] < 0 || ids[t * stride + j] >= st->n_expert;
         }
     }
@@ -283,40 +299,14 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_begin(const struct ggml_moe_cach
         *st->hand = 0;
     }
     int32_t n_distinct = 0;
-    int     overflow   = 0;
-    for (int64_t t = 0; t < n_tokens && !overflow; t++) {
+    for (int64_t t = 0; t < n_tokens; t++) {
         for (int32_t j = 0; j < n_used; j++) {
             const int32_t e = ids[t * stride + j];
             if (!seen[e]) {
-                if (n_distinct == st->n_slots) {
-                    overflow = 1;
-                    break;
-                }
                 seen[e] = 1;
                 sc.distinct[n_distinct++] = e;
             }
         }
-    }
-    if (overflow) {
-        // count what an overflow reports: every distinct expert (the marks are cleared as they are counted)
-        for (int32_t i = 0; i < n_distinct; i++) {
-            seen[sc.distinct[i]] = 0;
-        }
-        int32_t n = 0;
-        for (int64_t t = 0; t < n_tokens; t++) {
-            for (int32_t j = 0; j < n_used; j++) {
-                const int32_t e = ids[t * stride + j];
-                n += !seen[e];
-                seen[e] = 1;
-            }
-        }
-        for (int64_t t = 0; t < n_tokens; t++) {
-            for (int32_t j = 0; j < n_used; j++) {
-                seen[ids[t * stride + j]] = 0;
-            }
-        }
-        *n_distinct_out = n;
-        return -1;
     }
     *n_distinct_out = n_distinct;
     return 0;
@@ -340,17 +330,17 @@ GGML_MOE_CACHE_FN void ggml_moe_cache_check_slots(const struct ggml_moe_cache_st
 
 // Phase 3 (one thread but for the choice of each miss's slot): n_free and bad, the totals of phase 2 over every slot.
 // ggml_moe_cache_lookup_hits: a state the lookup may trust (the free slots as counted, every slot's expert in range,
-// every hit's slot holding it), checked before anything changes, then the hits referenced and pinned; returns 0 to go
-// on, or -3 (an inconsistent state: nothing changed, the marks cleared). Then each distinct expert that missed, in
-// order, takes the slot ggml_moe_cache_take_slot picks (its own if free, else the lowest free, else by CLOCK; a device
-// may pick the same slot with all the threads of a warp), recorded by ggml_moe_cache_lookup_take. Then
-// ggml_moe_cache_lookup_finish: the slot ids, the use counts, the marks cleared.
+// every hit's slot holding it), checked before anything changes, then the hits referenced and pinned; returns the
+// hits to go on, or -3 (an inconsistent state: nothing changed, the marks cleared). Then each distinct expert that
+// missed, in order, while ggml_moe_cache_may_fill, takes the slot ggml_moe_cache_take_slot picks (its own if free,
+// else the lowest free, else by CLOCK; a device may pick the same slot with all the threads of a warp), recorded by
+// ggml_moe_cache_lookup_take; the others stay cold. Then ggml_moe_cache_lookup_finish: the slot and cold ids, the use
+// counts, the marks cleared.
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_hits(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
         int32_t n_distinct, int32_t n_free, int32_t bad) {
     uint8_t * seen   = sc.marks;
     uint8_t * pinned = sc.marks + st->n_expert;
-    // every hit's slot holds it (then a miss always finds a free slot or, the distinct experts being at most the
-    // slots, a victim)
+    // every hit's slot holds it (then a miss that may fill always finds a free slot or a victim)
     for (int32_t i = 0; i < n_distinct; i++) {
         const int32_t s = st->slot_of[sc.distinct[i]];
         bad = bad || s < -1 || s >= st->n_slots || (s >= 0 && st->expert_of[s] != sc.distinct[i]);
@@ -362,14 +352,23 @@ GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_hits(const struct ggml_moe_cache
         return -3;
     }
     // hits first, so that no miss can take the slot of an expert this ubatch reads
+    int32_t n_hits = 0;
     for (int32_t i = 0; i < n_distinct; i++) {
         const int32_t s = st->slot_of[sc.distinct[i]];
         if (s >= 0) {
             st->ref[s] = 1;
             pinned[s]  = 1;
+            n_hits++;
         }
     }
-    return 0;
+    return n_hits;
+}
+
+// whether the next miss may take a slot: the policy allows another fill, and a slot is left that this lookup has not
+// pinned (every hit and fill pins one), so that CLOCK always finds a victim
+GGML_MOE_CACHE_FN int ggml_moe_cache_may_fill(const struct ggml_moe_cache_state * st, int32_t n_hits, int32_t n_fills,
+        int32_t max_fills) {
+    return n_fills < max_fills && n_hits + n_fills < st->n_slots;
 }
 
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_take_slot(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
@@ -396,11 +395,17 @@ GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_take(const struct ggml_moe_cache_st
     (*n_fills)++;
 }
 
-GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_finish(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
-        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t n_distinct, int32_t * slot_ids) {
+// the slot and cold ids of every routed id, the use counts (cold experts too: the profile counts routing, not hits);
+// returns the distinct experts left cold
+GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_finish(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t n_distinct, int32_t * slot_ids,
+        int32_t * cold_ids) {
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int32_t j = 0; j < n_used; j++) {
-            slot_ids[t * n_used + j] = st->slot_of[ids[t * stride + j]];
+            const int32_t e = ids[t * stride + j];
+            const int32_t s = st->slot_of[e];
+            slot_ids[t * n_used + j] = s;
+            cold_ids[t * n_used + j] = s < 0 ? e : -1;
         }
     }
     if (st->uses) {
@@ -409,63 +414,75 @@ GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_finish(const struct ggml_moe_cache_
             *u = *u < 0 ? 0 : *u + (*u < 0x7fffffff);
         }
     }
+    int32_t n_cold = 0;
     for (int32_t i = 0; i < n_distinct; i++) {
-        sc.marks[sc.distinct[i]] = 0;                                   // seen
-        sc.marks[st->n_expert + st->slot_of[sc.distinct[i]]] = 0;       // pinned
+        const int32_t s = st->slot_of[sc.distinct[i]];
+        sc.marks[sc.distinct[i]] = 0; // seen
+        if (s >= 0) {
+            sc.marks[st->n_expert + s] = 0; // pinned
+        } else {
+            n_cold++;
+        }
     }
+    return n_cold;
 }
 
 // phase 3 on one thread: returns the fills, or -3
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_end(const struct ggml_moe_cache_state * st, struct ggml_moe_cache_scratch sc,
-        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t n_distinct, int32_t n_free, int32_t bad,
-        int32_t * slot_ids, int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted) {
-    if (ggml_moe_cache_lookup_hits(st, sc, n_distinct, n_free, bad) != 0) {
+        const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t max_fills, int32_t n_distinct,
+        int32_t n_free, int32_t bad, int32_t * slot_ids, int32_t * cold_ids, int32_t * fill_expert, int32_t * fill_slot,
+        int32_t * evicted, int32_t * n_cold) {
+    const int32_t n_hits = ggml_moe_cache_lookup_hits(st, sc, n_distinct, n_free, bad);
+    if (n_hits < 0) {
         return -3;
     }
     int32_t n_fills = 0;
-    for (int32_t i = 0; i < n_distinct; i++) {
+    for (int32_t i = 0; i < n_distinct && ggml_moe_cache_may_fill(st, n_hits, n_fills, max_fills); i++) {
         const int32_t e = sc.distinct[i];
         if (st->slot_of[e] < 0) {
             ggml_moe_cache_lookup_take(st, sc, e, ggml_moe_cache_take_slot(st, sc, e), fill_expert, fill_slot, evicted,
                     &n_fills);
         }
     }
-    ggml_moe_cache_lookup_finish(st, sc, ids, n_tokens, n_used, stride, n_distinct, slot_ids);
+    *n_cold = ggml_moe_cache_lookup_finish(st, sc, ids, n_tokens, n_used, stride, n_distinct, slot_ids, cold_ids);
     return n_fills;
 }
 
-// the distinct experts a lookup reports: those of a lookup that planned, and of an overflow; none for bad input
+// the distinct experts a lookup reports: none for bad input
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_distinct_reported(int32_t res, int32_t n_distinct) {
-    return res >= 0 || res == -1 ? n_distinct : 0;
+    return res >= 0 ? n_distinct : 0;
 }
 
-// ids: routed expert of token t at ids[t * stride + j], j < n_used, each in [0, n_expert). Writes slot_ids[t * n_used
-// + j] and, per miss in the order taken, fill_expert / fill_slot / evicted (the expert the slot held, -1: free), at
-// most n_slots of them. Returns the misses (fills), or -1 on overflow (or -2 / -3, see above): the state is unchanged
-// and slot_ids all 0. The three phases on one thread.
+// ids: routed expert of token t at ids[t * stride + j], j < n_used, each in [0, n_expert). Writes slot_ids and cold_ids
+// [t * n_used + j] and, per fill in the order taken, fill_expert / fill_slot / evicted (the expert the slot held, -1:
+// free), at most n_slots of them. Returns the fills, or -2 / -3 (see above): the state is unchanged, the slot ids all
+// 0 and the cold ids -1. *n_cold: the distinct experts left cold. The three phases on one thread.
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_slots(const struct ggml_moe_cache_state * st,
-        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride, int32_t * slot_ids,
-        int32_t * fill_expert, int32_t * fill_slot, int32_t * evicted, int32_t * n_distinct_out) {
+        struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
+        int32_t max_fills, int32_t * slot_ids, int32_t * cold_ids, int32_t * fill_expert, int32_t * fill_slot,
+        int32_t * evicted, int32_t * n_distinct_out, int32_t * n_cold) {
     int32_t n_distinct = 0;
-    int32_t res = ggml_moe_cache_lookup_begin(st, sc, ids, n_tokens, n_used, stride, slot_ids, &n_distinct);
+    *n_cold = 0;
+    int32_t res = ggml_moe_cache_lookup_begin(st, sc, ids, n_tokens, n_used, stride, slot_ids, cold_ids, &n_distinct);
     if (res == 0) {
         int32_t n_free = 0;
         int32_t bad    = 0;
         ggml_moe_cache_check_slots(st, 0, 1, &n_free, &bad);
-        res = ggml_moe_cache_lookup_end(st, sc, ids, n_tokens, n_used, stride, n_distinct, n_free, bad, slot_ids,
-                fill_expert, fill_slot, evicted);
+        res = ggml_moe_cache_lookup_end(st, sc, ids, n_tokens, n_used, stride, max_fills, n_distinct, n_free, bad,
+                slot_ids, cold_ids, fill_expert, fill_slot, evicted, n_cold);
     }
     *n_distinct_out = ggml_moe_cache_distinct_reported(res, n_distinct);
     return res;
 }
 
-// what a lookup leaves besides the slots and fills: its result and distinct experts in the tail, what it counts, and a
-// refusal in the status word; n_distinct as ggml_moe_cache_lookup_slots reports it
+// what a lookup leaves besides the ids and fills: its result, distinct and cold experts in the tail, what it counts,
+// and a refusal in the status word; n_distinct as ggml_moe_cache_lookup_slots reports it
 GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_record(const struct ggml_moe_cache_state * st, int32_t * tail, int32_t res,
-        int32_t n_distinct) {
+        int32_t n_distinct, int32_t n_cold) {
     const struct ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(st->n_slots);
     tail[d.result]     = res;
     tail[d.n_distinct] = n_distinct;
+    tail[d.n_cold]     = res >= 0 ? n_cold : 0;
     if (st->counters) {
         if (res >= 0) {
             int32_t n_evicted = 0;
@@ -473,9 +490,10 @@ GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_record(const struct ggml_moe_cache_
                 n_evicted += tail[d.evicted + i] >= 0;
             }
             ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_LOOKUPS, 1);
-            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_HITS, (uint64_t) (n_distinct - res));
+            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_HITS, (uint64_t) (n_distinct - res - n_cold));
             ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_MISSES, (uint64_t) res);
             ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_EVICTIONS, (uint64_t) n_evicted);
+            ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_COLD, (uint64_t) n_cold);
         } else {
             ggml_moe_cache_counter_add(st->counters, GGML_MOE_CACHE_COUNT_REFUSED, 1);
         }
@@ -485,16 +503,17 @@ GGML_MOE_CACHE_FN void ggml_moe_cache_lookup_record(const struct ggml_moe_cache_
     }
 }
 
-// the lookup into the op's tensor: slot_ids and the tail as above; the tail's fill entries must be -1 on entry (the
-// lookup writes only the fills it takes), so that a device can set them with all its threads
+// the lookup into the op's tensor: the ids (slot ids, then cold ids) and the tail as above; the tail's fill entries
+// must be -1 on entry (the lookup writes only the fills it takes), so that a device can set them with all its threads
 GGML_MOE_CACHE_FN int32_t ggml_moe_cache_lookup_to_dst(const struct ggml_moe_cache_state * st,
         struct ggml_moe_cache_scratch sc, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
-        int32_t * slot_ids, int32_t * tail) {
+        int32_t max_fills, int32_t * out_ids, int32_t * tail) {
     const struct ggml_moe_cache_tail_layout d = ggml_moe_cache_tail_layout_of(st->n_slots);
     int32_t n_distinct = 0;
-    const int32_t res = ggml_moe_cache_lookup_slots(st, sc, ids, n_tokens, n_used, stride, slot_ids,
-            tail + d.fill_expert, tail + d.fill_slot, tail + d.evicted, &n_distinct);
-    ggml_moe_cache_lookup_record(st, tail, res, n_distinct);
+    int32_t n_cold     = 0;
+    const int32_t res = ggml_moe_cache_lookup_slots(st, sc, ids, n_tokens, n_used, stride, max_fills, out_ids,
+            out_ids + n_tokens * n_used, tail + d.fill_expert, tail + d.fill_slot, tail + d.evicted, &n_distinct, &n_cold);
+    ggml_moe_cache_lookup_record(st, tail, res, n_distinct, n_cold);
     return res;
 }
 

@@ -25,6 +25,8 @@ struct moe_cache_lookup_words {
     int32_t n_distinct;
     int32_t n_free;
     int32_t n_fills;
+    int32_t n_hits;
+    int32_t n_cold;
     int32_t slot; // a miss's slot, where one lane picks it
 };
 
@@ -91,11 +93,11 @@ static __device__ int32_t moe_cache_take_slot_warp(const ggml_moe_cache_state & 
 }
 #endif // !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
 
-// state: the lookup's tensor, [state | tail | slot_ids] (ggml_moe_cache_tensor_layout_of); the state and the tail are
-// staged in shared memory, the tail right after the state, as in the tensor
+// state: the lookup's tensor, [state | tail | slot_ids | cold_ids] (ggml_moe_cache_tensor_layout_of); the state and
+// the tail are staged in shared memory, the tail right after the state, as in the tensor
 static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids, int32_t * __restrict__ state,
         int32_t * __restrict__ status, const int32_t n_expert, const int32_t n_slots, const int32_t n_used,
-        const int64_t n_tokens, const int64_t stride) {
+        const int64_t n_tokens, const int64_t stride, const int32_t max_fills) {
     extern __shared__ int32_t smem[];
 
     const ggml_moe_cache_tensor_layout t = ggml_moe_cache_tensor_layout_of(n_expert, n_slots);
@@ -124,13 +126,14 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
     const ggml_moe_cache_scratch     sc = ggml_moe_cache_scratch_at(s_scratch, n_expert, n_slots);
     const ggml_moe_cache_tail_layout d  = ggml_moe_cache_tail_layout_of(n_slots);
     int32_t * slot_ids = state + t.slot_ids;
+    int32_t * cold_ids = slot_ids + n_tokens * n_used;
 
     // the lookup's phases (ggml-moe-cache-lookup.h): the state's check over every slot split over the block, each
     // miss's slot picked by the first warp, the rest on one thread, so the state and the tail end as
     // ggml_moe_cache_lookup_to_dst leaves them
     __shared__ moe_cache_lookup_words w;
     if (threadIdx.x == 0) {
-        w.res    = ggml_moe_cache_lookup_begin(&st, sc, ids, n_tokens, n_used, stride, slot_ids, &w.n_distinct);
+        w.res    = ggml_moe_cache_lookup_begin(&st, sc, ids, n_tokens, n_used, stride, slot_ids, cold_ids, &w.n_distinct);
         w.n_free = 0;
     }
     __syncthreads();
@@ -142,12 +145,15 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
     }
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) {
-        w.res     = w.res == 0 ? ggml_moe_cache_lookup_hits(&st, sc, w.n_distinct, w.n_free, bad) : w.res;
+        w.n_hits  = w.res == 0 ? ggml_moe_cache_lookup_hits(&st, sc, w.n_distinct, w.n_free, bad) : 0;
+        w.res     = w.n_hits < 0 ? -3 : w.res;
         w.n_fills = 0;
+        w.n_cold  = 0;
     }
     __syncthreads();
     if (w.res == 0 && threadIdx.x < WARP_SIZE) {
-        for (int32_t i = 0; i < w.n_distinct; i++) {
+        // n_fills is shared memory written by lane 0 before a warp sync: every lane stops at the same miss
+        for (int32_t i = 0; i < w.n_distinct && ggml_moe_cache_may_fill(&st, w.n_hits, w.n_fills, max_fills); i++) {
             const int32_t e = sc.distinct[i];
             if (st.slot_of[e] >= 0) {
                 continue; // a hit, or taken: the same answer in every lane (shared memory, written before a warp sync)
@@ -165,9 +171,10 @@ static __global__ void moe_cache_lookup_kernel(const int32_t * __restrict__ ids,
     if (threadIdx.x == 0) {
         const int32_t res = w.res == 0 ? w.n_fills : w.res;
         if (w.res == 0) {
-            ggml_moe_cache_lookup_finish(&st, sc, ids, n_tokens, n_used, stride, w.n_distinct, slot_ids);
+            w.n_cold = ggml_moe_cache_lookup_finish(&st, sc, ids, n_tokens, n_used, stride, w.n_distinct, slot_ids,
+                    cold_ids);
         }
-        ggml_moe_cache_lookup_record(&st, s_tail, res, ggml_moe_cache_distinct_reported(res, w.n_distinct));
+        ggml_moe_cache_lookup_record(&st, s_tail, res, ggml_moe_cache_distinct_reported(res, w.n_distinct), w.n_cold);
     }
     __syncthreads();
 
@@ -208,11 +215,12 @@ void ggml_cuda_op_moe_cache_lookup(ggml_backend_cuda_context & ctx, ggml_tensor 
     const ggml_tensor * ids = dst->src[0];
 
     const int32_t n_expert = ggml_get_op_params_i32(dst, 0);
-    const int32_t n_slots  = ggml_get_op_params_i32(dst, 1);
-    const int32_t n_used   = (int32_t) ids->ne[0];
-    const int64_t n_tokens = ids->ne[1];
+    const int32_t n_slots   = ggml_get_op_params_i32(dst, 1);
+    const int32_t max_fills = ggml_get_op_params_i32(dst, 2);
+    const int32_t n_used    = (int32_t) ids->ne[0];
+    const int64_t n_tokens  = ids->ne[1];
 
-    // dst is a view of the state (ggml_moe_cache_lookup): the slot state, the tail and the slot ids are all in it
+    // dst is a view of the state (ggml_moe_cache_lookup): the slot state, the tail, the slot and cold ids are all in it
     GGML_ASSERT(ggml_moe_cache_tensor_max_ids(n_expert, n_slots, ggml_nelements(dst)) >= n_used * n_tokens);
 
     const size_t nbytes_shared = moe_cache_lookup_shared_size(n_expert, n_slots);
@@ -221,5 +229,5 @@ void ggml_cuda_op_moe_cache_lookup(ggml_backend_cuda_context & ctx, ggml_tensor 
     moe_cache_lookup_kernel<<<1, CUDA_MOE_CACHE_LOOKUP_BLOCK_SIZE, nbytes_shared, ctx.stream()>>>(
             (const int32_t *) ids->data, (int32_t *) dst->data,
             dst->src[2] ? (int32_t *) dst->src[2]->data : nullptr, n_expert, n_slots, n_used,
-            n_tokens, ids->nb[1] / (int64_t) sizeof(int32_t));
+            n_tokens, ids->nb[1] / (int64_t) sizeof(int32_t), max_fills);
 }
