@@ -34,10 +34,13 @@ bench)
     BENCH_MODEL=$M bench 270 --baseline patched --candidate patched --baseline-env GGML_SCHED_ASYNC_CPU=0 \
         --candidate-env GGML_SCHED_ASYNC_CPU=1 --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds 240 \
         --json "$OUT/async-ncmoe.json" -- -p 512 -n 128 -ngl 99 -ncmoe 24,48 -lm none 2>&1 | tee "$OUT/async-ncmoe.txt"
-    BENCH_MODEL=$M bench 180 --baseline patched --candidate patched --baseline-env GGML_SCHED_ASYNC_CPU=0 \
-        --candidate-env GGML_SCHED_ASYNC_CPU=1 --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds 150 \
-        --json "$OUT/async-cache.json" -- -p 512 -n 128 -ngl 99 -ncmoe 48 -mcm 3900,7800 -lm none \
-        2>&1 | tee "$OUT/async-cache.txt"
+    # one bench per cache budget: the bench pairs rows by the fields master reports, which -mcm is not
+    for mcm in 3900 7800; do
+        BENCH_MODEL=$M bench 150 --baseline patched --candidate patched --baseline-env GGML_SCHED_ASYNC_CPU=0 \
+            --candidate-env GGML_SCHED_ASYNC_CPU=1 --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds 120 \
+            --json "$OUT/async-cache-$mcm.json" -- -p 512 -n 128 -ngl 99 -ncmoe 48 -mcm $mcm -lm none \
+            2>&1 | tee "$OUT/async-cache-$mcm.txt"
+    done
     ;;
 identity)
     wait_builds 600 || exit 1
