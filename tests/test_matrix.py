@@ -124,7 +124,7 @@ def test_a_cell_may_place_its_baseline_apart(tmp_path):
 
 
 def _steps(**counts):
-    return {p: counts.get(p, 0) for p in ("in_place", "device", "host_plan", "staging", "host")}
+    return {p: counts.get(p, 0) for p in ("in_place", "device", "host_plan", "staging", "host", "hot_cold")}
 
 
 def test_a_by_path_reference_is_named_by_the_layers_that_left_the_banks():
@@ -171,6 +171,23 @@ def test_a_layer_that_read_the_banks_and_left_them_has_no_reference():
     assert choose_reference(paths, experts, experts)["reference"] == "-ot"
 
 
+def test_hot_cold_layers_equal_the_cpu_on_sim_and_have_no_byte_reference_on_cuda():
+    from pyllama_moe.harness.compare import choose_reference
+
+    experts = {0, 1, 2, 3}
+    hot_cold = {il: _steps(hot_cold=15) for il in experts}
+    # SIM computes both branches with the CPU's kernels: master --cpu-moe's bytes, on every SIM backend
+    for backend in ("cpu", "sim", "sim2"):
+        assert choose_reference(hot_cold, experts, experts, backend)["reference"] == "cpu-moe"
+    some = {0: _steps(device=15), 1: _steps(device=15), 2: _steps(hot_cold=15), 3: _steps(hot_cold=15)}
+    assert choose_reference(some, experts, experts, "sim")["cpu_layers"] == [2, 3]
+    with pytest.raises(UserError, match="cached layer 0 was computed hot/cold on cuda"):
+        choose_reference(hot_cold, experts, experts, "cuda")
+    # a layer hot/cold in some steps and on the banks alone in others has no one reference either
+    with pytest.raises(UserError, match="cached layer 1 read the banks in some decode steps"):
+        choose_reference({**some, 1: _steps(device=9, hot_cold=6)}, experts, experts, "sim")
+
+
 CACHE_LINE = ("llama_moe: expert cache on {dev}: 2.99 MiB, {n} MoE layers with their experts on the host, {lo}-{hi} of "
               "16 expert slots each; graphs of up to 8 tokens read them (LLAMA_MOE_CACHE_DECODE_MAX)\n"
               "llama_moe: expert cache on {dev}: decode looks up its slots and fills its misses on the device\n")
@@ -197,6 +214,13 @@ def test_the_paths_check_holds_each_layer_to_the_path_its_slots_name():
     two = CACHE_LINE.format(dev="SIM0", n=3, lo=5, hi=5)
     two += CACHE_LINE.format(dev="SIM1", n=1, lo=10, hi=10).splitlines()[0]
     assert predicted_paths(two, 2, 4) == {"staging": (3, 3), "host_plan": (1, 1)}
+    # a device whose layers decode hot/cold: graphs that may not fit the slots (or any, under another policy)
+    hot = ("llama_moe: expert cache on SIM0: miss policy {p}; decode graphs of up to 31 tokens compute the misses they "
+           "do not upload, and the experts past the slots, on the CPU beside the banks (hot/cold)\n")
+    assert predicted_paths(split + hot.format(p="upload"), 2, 4) == {"device": (1, 3), "hot_cold": (1, 3)}
+    assert predicted_paths(split + hot.format(p="upload"), 12, 4) == {"hot_cold": (4, 4)}
+    assert predicted_paths(split + hot.format(p="upload"), 40, 4) == {"host": (4, 4)}
+    assert predicted_paths(split + hot.format(p="cpu"), 1, 4) == {"hot_cold": (4, 4)}
 
 
 def test_the_parallel_cells_parse_with_a_by_path_baseline_on_sim_and_cuda(tmp_path):

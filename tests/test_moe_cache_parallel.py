@@ -26,8 +26,9 @@ def model():
     return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
 
 
-def _run(build, src, model, cache_mib, parallel):
-    env = {**SIM_ENV, "LLAMA_MOE_CACHE_MIB": str(cache_mib)}
+def _run(build, src, model, cache_mib, parallel, masked=True):
+    # GGML_SIM_NO_MASKED_IDS=1: SIM computes no masked expert ids, so no layer is computed hot/cold
+    env = {**SIM_ENV, "LLAMA_MOE_CACHE_MIB": str(cache_mib), **({} if masked else {"GGML_SIM_NO_MASKED_IDS": "1"})}
     return runner.run(build, src, runner.RunSpec(model=model, tokens=TOKENS, cpu_moe=True, load_mode="none",
                                                  repack=False, threads=2, generate=N_GEN, stats=True, env=env,
                                                  parallel=parallel))
@@ -58,22 +59,27 @@ def _layer_slots(log, model):
     return [smax] * n_first + [smin] * (n_layers - n_first)
 
 
-def _rule(slots, n_tokens):
+def _rule(slots, n_tokens, masked):
     """docs/cache-paths.md's table for a partial layer: the banks (looked up on the device, SIM's default) while the
-    graph is at most 8 tokens and its experts fit the slots; else the staging path up to 8 tokens, the host path
-    above."""
-    if n_tokens > 8:
-        return "host"
-    return "staging" if n_tokens * K > slots else "device"
+    graph is at most 8 tokens and its experts fit the slots; a graph of up to 31 tokens whose experts may not fit is
+    computed hot/cold (looked up on the device too) where the device computes masked ids, else it takes the staging
+    path up to 8 tokens and the host path above."""
+    if n_tokens <= 8 and n_tokens * K <= slots:
+        return "device"
+    if masked:
+        return "hot_cold" if n_tokens <= 31 else "host"
+    return "staging" if n_tokens <= 8 else "host"
 
 
-# 2 MiB: 5 slots in every layer, so every step of 2 or more leaves the banks; 3 MiB: 8 slots in the first layers and
-# 7 in the rest, so a step of 2 reads the banks of the first and leaves those of the others
+# 2 MiB: 5 slots in every layer, so every step of 2 or more may not fit them; 3 MiB: 8 slots in the first layers and
+# 7 in the rest, so a step of 2 fits the first and may not fit the others. Such steps are hot/cold where SIM computes
+# masked ids, else they leave the banks
+@pytest.mark.parametrize("masked", [True, False], ids=["hot-cold", "no-masked-ids"])
 @pytest.mark.parametrize("cache_mib,slot_range", [(2, (5, 5)), (3, (7, 8))])
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_each_parallel_step_takes_the_path_its_slots_name_and_computes_the_cache_offs_bytes(
-        patched_build, src, model, cache_off, cache_mib, slot_range, parallel):
-    got, off = _run(patched_build, src, model, cache_mib, parallel), cache_off[parallel]
+        patched_build, src, model, cache_off, cache_mib, slot_range, parallel, masked):
+    got, off = _run(patched_build, src, model, cache_mib, parallel, masked), cache_off[parallel]
     assert got.logits_sha256 == off.logits_sha256
     assert got.decode_logits_sha256 == off.decode_logits_sha256
     # the prompt's argmax, then one per sequence and step
@@ -88,7 +94,7 @@ def test_each_parallel_step_takes_the_path_its_slots_name_and_computes_the_cache
         used = {p: n for p, n in paths[il].items() if n}
         assert len(used) == 1 and list(used.values()) == [N_GEN - 1], (il, paths[il])
         taken += used
-    assert taken == [_rule(s, parallel) for s in slots]
+    assert taken == [_rule(s, parallel, masked) for s in slots]
     # the staging steps are also the decode counters' overflows (graphs above 8 tokens count as prompts there)
     staging = sum(p["staging"] for p in paths.values())
     assert got.stats["generate"]["cache_decode"]["n_overflow"] == staging

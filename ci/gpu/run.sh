@@ -39,6 +39,10 @@ async-bench         async-cpu.sh bench        tg128 and pp512 with the CPU worke
 async-identity      async-cpu.sh identity     the CPU worker's CUDA identity cells against master
 async-overlap       async-cpu.sh overlap      a shared-expert model with experts on the host: tg128 with the worker off and on
 async-power         async-cpu.sh power        the divergence contract's power on CUDA: the smallest planted fault it flags
+hot-cold-ops        hot-cold.sh ops           the lookup's policy cases, the fills and the masked ids on CUDA0, then under memcheck
+hot-cold-policy     hot-cold.sh policy        tg128: each miss policy against upload at a quarter and half cache; -sac 1 against 0 under cpu
+hot-cold-master     hot-cold.sh master        tg128: the cache with POLICY (default cpu) against master -cmoe, per budget
+hot-cold-parallel   hot-cold.sh parallel      graphs of 4-16 tokens under upload and cpu against master -cmoe, per budget
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
 lookup-syncs        device-lookup.sh syncs    host syncs per token: cache on the device, host-side plan, all on the GPU
 lookup-tg           device-lookup.sh tg       tg128 against master, paced, then against master's -ncmoe 24 rows

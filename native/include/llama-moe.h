@@ -259,7 +259,8 @@ enum llama_moe_cache_path {
     LLAMA_MOE_CACHE_PATH_HOST_PLAN = 2, // the slots planned on the host (the router's ids read back), misses uploaded
     LLAMA_MOE_CACHE_PATH_STAGING   = 3, // a decode-size graph whose experts may not fit the slots: the host weights
     LLAMA_MOE_CACHE_PATH_HOST      = 4, // a larger graph, the layer not read in place: the host weights
-    LLAMA_MOE_CACHE_PATH_COUNT     = 5,
+    LLAMA_MOE_CACHE_PATH_HOT_COLD  = 5, // looked up on the device, the cold experts on the CPU beside the hot ones
+    LLAMA_MOE_CACHE_PATH_COUNT     = 6,
 };
 // Steps per path (steps[LLAMA_MOE_CACHE_PATH_COUNT]) of layer il (< 0: all) and phase (0 prompt, 1 decode) since the
 // cache was made; returns the number of layers the context caches (0: steps zeroed).

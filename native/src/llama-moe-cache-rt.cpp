@@ -233,8 +233,10 @@ static int32_t decode_max_tokens() {
 // layer computes, its cold experts on the CPU beside the hot ones on the device
 static int32_t hot_cold_max_tokens() {
     static const int32_t n = [] {
-        const int64_t v = llama_moe_env_whole("GGML_OP_OFFLOAD_MIN_BATCH", 1, INT32_MAX);
-        return (int32_t) std::min<int64_t>(v > 0 ? v - 1 : 31, 4096);
+        // read as ggml-cuda reads it (atoi), so that both agree on which graphs offload
+        const char * env = getenv("GGML_OP_OFFLOAD_MIN_BATCH");
+        const int64_t min_batch = env != nullptr ? atoi(env) : 32;
+        return (int32_t) std::clamp<int64_t>(min_batch - 1, 0, 4096);
     }();
     return n;
 }
@@ -483,6 +485,9 @@ static void choose_device_lookup(llama_moe_cache_rt & rt);
 static int64_t banks_up_to(const llama_moe_cache_rt & rt, const rt_layer & l) {
     if (layer_in_place(rt, l)) {
         return INT64_MAX;
+    }
+    if (l.hot_cold) {
+        return hot_cold_max_tokens(); // the banks' experts read, the rest on the CPU beside them
     }
     return std::min<int64_t>(std::min(rt.decode_max, l.vec_max), l.n_slots / std::max(1, l.n_used));
 }
@@ -1004,6 +1009,9 @@ static const char * hot_cold_unfit(const rt_layer & l) {
     if (!l.device_lookup) {
         return "decode plans its slots on the host";
     }
+    if (hot_cold_max_tokens() < 1) {
+        return "GGML_OP_OFFLOAD_MIN_BATCH offloads the host weights' ops of every graph";
+    }
     if (!ggml_backend_dev_masked_ids(l.dev)) {
         return "its device does not compute expert ids of -1 (masked ids)";
     }
@@ -1282,7 +1290,8 @@ static void check_seeds(llama_moe_cache_rt & rt, ggml_backend_sched_t sched) {
 static void log_summary(const llama_moe_cache_rt & rt) {
     // the hit rate is that of the planned steps: a step read in place plans nothing (every expert resident)
     const llama_moe_cache_stats d = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_DECODE);
-    const uint64_t routed = d.n_hits + d.n_misses;
+    // the misses uploaded (n_misses) and those computed on the CPU (n_cold, hot/cold) both missed the banks
+    const uint64_t routed = d.n_hits + d.n_misses + d.n_cold;
     char rate[32] = "hit rate n/a";
     if (routed > 0) {
         snprintf(rate, sizeof(rate), "hit rate %.1f%%", 100.0 * d.n_hits / routed);
@@ -1293,10 +1302,10 @@ static void log_summary(const llama_moe_cache_rt & rt) {
         device_steps += l.device_steps;
     }
     LLAMA_LOG_INFO("llama_moe: expert cache, decode: %" PRIu64 " layer steps, %" PRIu64 " hits, %" PRIu64 " misses (%s), "
-            "%" PRIu64 " on the staging path, %" PRId64 " looked up on the device, %.2f MiB uploaded in %" PRIu64 " copies, "
-            "%" PRIu64 " read in place\n",
-            d.n_ubatches, d.n_hits, d.n_misses, rate, d.n_overflow, device_steps, mib(d.bytes_uploaded), d.n_copy_calls,
-            d.n_in_place);
+            "%" PRIu64 " misses computed on the CPU, %" PRIu64 " on the staging path, %" PRId64 " looked up on the device, "
+            "%.2f MiB uploaded in %" PRIu64 " copies, %" PRIu64 " read in place\n",
+            d.n_ubatches, d.n_hits, d.n_misses, rate, d.n_cold, d.n_overflow, device_steps, mib(d.bytes_uploaded),
+            d.n_copy_calls, d.n_in_place);
     const llama_moe_cache_stats p = rt.plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT);
     if (p.n_ubatches > 0) {
         LLAMA_LOG_INFO("llama_moe: expert cache, prompts: %" PRIu64 " layer steps, %" PRIu64 " experts read from the banks, %" PRIu64 " uploaded "
@@ -1471,7 +1480,9 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
             cold_ids != nullptr ? rt->max_fills : GGML_MOE_CACHE_FILL_ALL);
     ggml_format_name(lookup, "moe_cache_lookup-%d", il);
     ggml_build_forward_expand(gf, lookup);
-    // every fill before the first matmul: the backend fuses the matmuls that follow one another (gate, up, glu)
+    // every fill before the first matmul: the backend fuses the matmuls that follow one another (gate, up, glu). A
+    // hot/cold layer's caller expands them after its cold branch, so that the CPU's inputs leave the GPU behind the
+    // lookup, not behind the fills' uploads
     const bool skip_plant = rt->plan->debug_skip_fill > 0 && rt->index[il] == 0;
     for (int k = 0; k < LLAMA_MOE_CACHE_N_TENSORS; k++) {
         if (l.g.bank[k] == nullptr) {
@@ -1486,10 +1497,12 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
             ggml_moe_cache_fill_params_set((int32_t *) fill->op_params, p);
         }
         ggml_format_name(fill, "moe_cache_fill_%s-%d", EXP_NAMES[k], il);
-        ggml_build_forward_expand(gf, fill);
+        if (cold_ids == nullptr) {
+            ggml_build_forward_expand(gf, fill);
+        }
         banks[k] = fill;
     }
-    routes.push_back({ lookup, ids, il, false, false, true, false, graph_tokens });
+    routes.push_back({ lookup, ids, il, false, false, true, cold_ids != nullptr, false, graph_tokens });
     // the slot ids inside the lookup's result (a view of the state): the matmuls read them after the lookup by data;
     // the cold ids follow them
     const size_t slot_ids = (size_t) ggml_moe_cache_tensor_layout_of(l.n_expert, l.n_slots).slot_ids * sizeof(int32_t);
@@ -1506,7 +1519,7 @@ void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes
     GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->nb[0] == sizeof(int32_t));
     GGML_ASSERT((in_place || ids->ne[0] == rt->layers[rt->index[il]].n_used) && !(in_place && banks));
-    routes.push_back({ at, ids, il, banks, in_place, false, false, graph_tokens });
+    routes.push_back({ at, ids, il, banks, in_place, false, false, false, graph_tokens });
 }
 
 void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at,
@@ -1524,7 +1537,7 @@ void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache
             layer_in_place(*rt, l)) {
         return;
     }
-    routes.push_back({ at, ids, il, false, false, false, true, graph_tokens });
+    routes.push_back({ at, ids, il, false, false, false, false, true, graph_tokens });
 }
 
 void llama_moe_cache_seed_ubatch(llama_moe_cache_rt * rt, int64_t n_tokens, int64_t n_after, int64_t min_batch_ahead) {
@@ -1857,7 +1870,8 @@ static void count_paths(llama_moe_cache_rt & rt, const llama_moe_cache_routes & 
         if (r.prompt) {
             continue; // a routing read for seeding: the layer computes on the host weights
         }
-        rt.graph_paths[rt.index[r.il]] = r.device ? LLAMA_MOE_CACHE_PATH_DEVICE : r.in_place ? LLAMA_MOE_CACHE_PATH_IN_PLACE :
+        rt.graph_paths[rt.index[r.il]] = r.hot_cold ? LLAMA_MOE_CACHE_PATH_HOT_COLD :
+                r.device ? LLAMA_MOE_CACHE_PATH_DEVICE : r.in_place ? LLAMA_MOE_CACHE_PATH_IN_PLACE :
                 r.banks ? LLAMA_MOE_CACHE_PATH_HOST_PLAN : LLAMA_MOE_CACHE_PATH_STAGING;
     }
     const int phase = n_tokens <= rt.decode_max ? LLAMA_MOE_CACHE_PHASE_DECODE : LLAMA_MOE_CACHE_PHASE_PROMPT;

@@ -102,6 +102,7 @@ struct llama_moe_cache_route {
     bool          banks;
     bool          in_place;
     bool          device;
+    bool          hot_cold; // a device lookup whose misses may be cold (counted as the hot/cold path)
     bool          prompt;
     int64_t       graph_tokens; // the ubatch's tokens (the layer may compute fewer rows): the phase it counts in
 };
@@ -147,7 +148,7 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
 // misses, expanded into gf before anything that reads them; banks[k] (LLAMA_MOE_CACHE_N_TENSORS) become the filled
 // banks the matmuls and bias adds read. Records the layer's route; returns the slot ids ([n_used, n_tokens]). cold_ids:
 // nullptr, or a hot/cold layer (graph_layer_for), which gets the cold ids ([n_used, n_tokens]); the slot ids are then
-// -1 where cold.
+// -1 where cold, and the caller expands the fills (banks) after its cold branch.
 ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_context * ctx,
         ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks, ggml_tensor ** cold_ids);
 // a layer the cache reads (banks, in_place) or counts (staging) records its routing: the eval callback plans a banks

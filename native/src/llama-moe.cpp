@@ -502,7 +502,7 @@ void llama_moe_default_set_moe_cache_profile(const char * path) {
 }
 
 void llama_moe_default_set_moe_miss_policy(int32_t kind, int32_t n) {
-    if (kind > LLAMA_MOE_MISS_SPLIT || (kind == LLAMA_MOE_MISS_SPLIT && (n < 1 || n > MISS_SPLIT_MAX))) {
+    if (kind < -1 || kind > LLAMA_MOE_MISS_SPLIT || (kind == LLAMA_MOE_MISS_SPLIT && (n < 1 || n > MISS_SPLIT_MAX))) {
         LLAMA_LOG_ERROR("llama_moe: miss policy %d (n %d) is not upload (0), cpu (1) or split (2) with n 1..%d; left as "
                 "it was\n", kind, n, MISS_SPLIT_MAX);
         return;

@@ -129,26 +129,32 @@ def cache_counters(lib, ffi, ctx, phase: int, il: int = -1) -> tuple[int, dict[s
     header's struct, so fields appended to it come along."""
     out = ffi.new("struct llama_moe_cache_counters *")
     n_layers = int(lib.llama_moe_cache_get_counters(ctx, il, phase, out))
-    return n_layers, {name: int(getattr(out, name)) for name, _ in ffi.typeof("struct llama_moe_cache_counters").fields}
+    counters = {name: int(getattr(out, name)) for name, _ in ffi.typeof("struct llama_moe_cache_counters").fields}
+    if phase == 1 and hasattr(lib, "llama_moe_cache_get_cold_misses"):
+        # the decode misses computed on the CPU (hot/cold): a function of their own, the struct keeps its layout
+        counters["n_cold"] = int(lib.llama_moe_cache_get_cold_misses(ctx, il))
+    return n_layers, counters
 
 
 # llama-moe.h's enum llama_moe_cache_path, in order (docs/cache-paths.md)
-CACHE_PATHS = ("in_place", "device", "host_plan", "staging", "host")
+CACHE_PATHS = ("in_place", "device", "host_plan", "staging", "host", "hot_cold")
 
 
 def cache_path_steps(lib, ffi, ctx, phase: int, il: int = -1) -> dict[str, int]:
     """`llama_moe_cache_get_path_steps` of a context: the steps of layer il (-1: all cached layers) in phase 0 (prompt)
     or 1 (decode) per path the layer took, by CACHE_PATHS' names."""
-    steps = ffi.new("uint64_t[]", len(CACHE_PATHS))
+    # sized by the header the library was built with, which writes that many
+    steps = ffi.new("uint64_t[]", max(len(CACHE_PATHS), int(lib.LLAMA_MOE_CACHE_PATH_COUNT)))
     lib.llama_moe_cache_get_path_steps(ctx, il, phase, steps)
     return {name: int(steps[i]) for i, name in enumerate(CACHE_PATHS)}
 
 
 def decode_hit_rate(counters: dict[str, int], since: dict[str, int] | None = None) -> float | None:
     """The hit rate of decode counters (cache_counters' dict), or of what they counted after `since` (the same
-    counters read earlier): steps read in place count their routed ids as hits; None where nothing was looked up."""
+    counters read earlier): steps read in place count their routed ids as hits, misses computed on the CPU (hot/cold)
+    count as misses; None where nothing was looked up."""
     def hits_misses(c):
-        return c["n_hits"] + c.get("n_routed_in_place", 0), c["n_misses"]
+        return c["n_hits"] + c.get("n_routed_in_place", 0), c["n_misses"] + c.get("n_cold", 0)
 
     hits, misses = hits_misses(counters)
     if since is not None:

@@ -155,7 +155,7 @@ class Harness:
             paths = decode_paths(cand.stats)
             experts, _ = expert_layers(model)
             try:
-                reference = choose_reference(paths, host_layers(cell, experts), experts)
+                reference = choose_reference(paths, host_layers(cell, experts), experts, cell.backend)
             except UserError as exc:
                 if oplog is not None:
                     shutil.rmtree(oplog.parent, ignore_errors=True)
@@ -392,6 +392,9 @@ CACHE_MADE = re.compile(r"llama_moe: expert cache on (\S+): ([0-9.]+) MiB, (\d+)
                         r"host, (\d+)-(\d+) of (\d+) expert slots")
 CACHE_DECODE = re.compile(r"llama_moe: expert cache, decode: (\d+) layer steps, (\d+) hits, (\d+) misses.*, (\d+) read in place")
 CACHE_DEVICE = re.compile(r"llama_moe: expert cache on (\S+): decode looks up its slots and fills its misses on the device")
+# a device whose cached layers decode hot/cold: its miss policy and the largest such graph
+CACHE_HOT_COLD = re.compile(r"llama_moe: expert cache on (\S+): miss policy (\S+); decode graphs of up to (\d+) tokens "
+                            r"compute the misses")
 CACHE_HOST = re.compile(r"llama_moe: expert cache on (\S+): decode plans (\d+) of (\d+) layers on the host")
 CACHE_FILLED_WHOLE = re.compile(r"llama_moe: expert cache: (\d+) layers? with a slot per expert filled whole")
 CACHE_PROMPT = re.compile(r"llama_moe: expert cache, prompts: (\d+) layer steps, (\d+) experts read from the banks, "
@@ -454,6 +457,9 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
 # weights (docs/cache-paths.md): the bytes of the first equal all on the GPU's, of the second master --cpu-moe's
 READ_PATHS = ("in_place", "device", "host_plan")
 LEAVE_PATHS = ("staging", "host")
+# hot/cold: each routed expert on the kernel of where it was computed, the banks' on the GPU, the cold ones on the
+# CPU; on SIM (the CPU's kernels everywhere) those are master --cpu-moe's bytes, elsewhere no build computes them
+MIXED_PATHS = ("hot_cold",)
 EXPS_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")
 
 
@@ -494,7 +500,7 @@ def ot_rule(layers) -> str:
     return rf"blk\.({'|'.join(str(il) for il in sorted(layers))}){EXPS_REGEX}=CPU"
 
 
-def choose_reference(paths: dict[int, dict[str, int]], host: set[int], experts: set[int]) -> dict:
+def choose_reference(paths: dict[int, dict[str, int]], host: set[int], experts: set[int], backend: str = "cpu") -> dict:
     """The run whose bytes a by-path cell's decode must equal, from the candidate's decode steps per cached layer and
     path: the host experts that read the banks computed as on the GPU, the others (those that left them, and any
     without slots) on the CPU. Every one on the GPU: master with every weight there ("all"); none: master --cpu-moe
@@ -505,7 +511,11 @@ def choose_reference(paths: dict[int, dict[str, int]], host: set[int], experts: 
         raise UserError("no cached layer counted a decode step: the cell's paths name no reference",
                         "give the cell a cache (LLAMA_MOE_CACHE_MIB) and generate at least 2 tokens")
     for il, steps in sorted(paths.items()):
-        if any(steps.get(p) for p in READ_PATHS) and any(steps.get(p) for p in LEAVE_PATHS):
+        if backend == "cuda" and any(steps.get(p) for p in MIXED_PATHS):
+            raise UserError(f"cached layer {il} was computed hot/cold on {backend}: its experts mix GPU and CPU kernels, "
+                            "so no master run computes its bytes",
+                            "check such cells with the divergence contract (docs/identity.md)")
+        if any(steps.get(p) for p in READ_PATHS) and any(steps.get(p) for p in LEAVE_PATHS + MIXED_PATHS):
             taken = ", ".join(f"{p} {n}" for p, n in steps.items() if n)
             raise UserError(f"cached layer {il} read the banks in some decode steps and left them in others ({taken}): "
                             "no one reference computes its bytes",
@@ -530,14 +540,21 @@ def predicted_paths(log: str, n_tokens: int, k: int, decode_max: int = 8) -> dic
     (the line's "7-8 of 16") has at least one layer at each end; where the two ends take different paths, each takes
     1 to n - 1 of its n layers."""
     on_device = {m.group(1) for m in CACHE_DEVICE.finditer(log)}
+    hot_cold = {m.group(1): (m.group(2), int(m.group(3))) for m in CACHE_HOT_COLD.finditer(log)}
     whole_filled = filled_whole_layers(log) > 0
 
     def path(slots: int, n_expert: int, dev: str) -> str:
         if slots == n_expert and whole_filled:
             return "in_place"
+        fits = n_tokens <= decode_max and n_tokens * k <= slots
+        policy, hot_cold_max = hot_cold.get(dev, ("upload", 0))
+        if fits and policy == "upload":
+            return "device" if dev in on_device else "host_plan"
+        if n_tokens <= hot_cold_max:
+            return "hot_cold"
         if n_tokens > decode_max:
             return "host"
-        if n_tokens * k > slots:
+        if not fits:
             return "staging"
         return "device" if dev in on_device else "host_plan"
 

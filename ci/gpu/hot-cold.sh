@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Hot/cold layers and miss policies (docs/hot-cold.md) on the GPU machine. Prepare on the CPU machine as prefetch.sh
+# says; after `run.sh build` (or build-patched for the steps of the patched build alone), run.sh names them
+# hot-cold-STEP. The model is the 30B-A3B shape with routing skew 0.5, every expert on the host (-cmoe), pinned,
+# -lm none; the cache at a quarter (3900 MiB) and half (7800 MiB) of the expert bytes. Each bench interleaves its two
+# configurations, one ratio with its interval:
+#   ops       test-backend-ops of the lookup (the policies' cases), the fills and the masked ids on CUDA0 against
+#             the CPU, then under compute-sanitizer memcheck
+#   policy    tg128: each policy (cpu, split:2, split:4) against upload in the same build, per budget; and with
+#             the worker on (-sac 1, GGML_SCHED_ASYNC_CPU) against off under cpu
+#   master    tg128: master with every expert on the host (-cmoe) against the patched build with the cache and a
+#             policy (POLICY, default cpu), per budget
+#   parallel  pp of 4, 8, 12, 16 tokens per graph (the decode of that many sequences): the cache at a half and a
+#             quarter under upload and cpu against master -cmoe (llama-bench -p N -n 0 -ub N: one graph of N tokens)
+set -uo pipefail
+step=${1:?usage: hot-cold.sh ops|policy|master|parallel}
+. "$(dirname "$0")/common.sh"
+POLICY=${POLICY:-cpu}
+
+policy_bench() { # $1: seconds, $2: budget MiB, $3: baseline policy, $4: candidate policy, $5: -sac of both (0|1 or
+    # "0 1": off against on), $6: a name, then llama-bench args
+    local limit=$1 mcm=$2 base=$3 cand=$4 sac=($5) name=$6; shift 6
+    BENCH_MODEL=$M bench "$limit" --baseline patched --candidate patched \
+        --baseline-env LLAMA_MOE_MISS_POLICY=$base --baseline-env GGML_SCHED_ASYNC_CPU=${sac[0]} \
+        --candidate-env LLAMA_MOE_MISS_POLICY=$cand --candidate-env GGML_SCHED_ASYNC_CPU=${sac[1]:-${sac[0]}} \
+        -mcm "$mcm" --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds $((limit - 30)) \
+        --json "$OUT/$name.json" -- -ngl 99 -cmoe -lm none "$@" 2>&1 | tee "$OUT/$name.txt"
+}
+
+master_bench() { # $1: budget MiB, $2: policy, $3: a name, then llama-bench args
+    local mcm=$1 p=$2 name=$3; shift 3
+    BENCH_MODEL=$M bench 200 --baseline master --candidate patched --candidate-env LLAMA_MOE_MISS_POLICY=$p -mcm "$mcm" \
+        --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds 170 --json "$OUT/$name.json" \
+        -- -ngl 99 -cmoe -lm none "$@" 2>&1 | tee "$OUT/$name.txt"
+}
+
+case $step in
+ops)
+    wait_builds 300 || exit 1
+    P=$(patched_bin)
+    ops=MOE_CACHE_LOOKUP,MOE_CACHE_FILL,MUL_MAT_ID_MASKED,ADD_ID_MASKED
+    timeout 300 "$P/test-backend-ops" -o $ops -b CUDA0 2>&1 | tail -5 | tee "$OUT/ops.txt"
+    command -v compute-sanitizer > /dev/null && timeout 400 compute-sanitizer --tool memcheck "$P/test-backend-ops" \
+        -o $ops -b CUDA0 2>&1 | tail -8 | tee "$OUT/ops-memcheck.txt"
+    ;;
+policy)
+    wait_builds 600 || exit 1
+    M=$(skew_model) || exit 1
+    for mcm in 3900 7800; do
+        for p in cpu split:2 split:4; do
+            policy_bench 150 $mcm upload $p 0 "policy-$p-$mcm" -p 0 -n 128
+        done
+    done
+    policy_bench 150 3900 cpu cpu "0 1" "async-cpu-3900" -p 0 -n 128
+    ;;
+master)
+    wait_builds 600 || exit 1
+    M=$(skew_model) || exit 1
+    for mcm in 3900 7800; do
+        master_bench $mcm $POLICY "master-$POLICY-$mcm" -p 0 -n 128
+    done
+    ;;
+parallel)
+    wait_builds 600 || exit 1
+    M=$(skew_model) || exit 1
+    for mcm in 7800 3900; do
+        for p in upload cpu; do
+            master_bench $mcm $p "parallel-$p-$mcm" -p 4,8,12,16 -n 0 -ub 16
+        done
+    done
+    ;;
+*)
+    echo "hot-cold.sh: unknown step $step"; exit 2 ;;
+esac
