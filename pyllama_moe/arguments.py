@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -98,6 +99,35 @@ def choice_list(noun: str, choices: tuple[str, ...]) -> Callable[[str], str]:
 
     parse.__name__ = noun
     return parse
+
+
+# ---- the expert cache's miss policy ----------------------------------------------------------------------------
+
+# llama-moe.h's enum llama_moe_miss_policy, and the largest N of split:N (llama-moe.cpp)
+MISS_UPLOAD, MISS_CPU, MISS_SPLIT = 0, 1, 2
+MISS_SPLIT_MAX = 4096
+MISS_POLICY_RULE = f"upload, cpu or split:N with N 1 to {MISS_SPLIT_MAX}"
+_MISS_SPLIT = re.compile(r"split:([0-9]{1,6})")
+
+
+def parse_miss_policy(text) -> tuple[int, int] | None:
+    """The spelling llama_moe_parse_miss_policy takes ("upload", "cpu", "split:N"), as (kind, n), or None. Kept here as
+    well so that a value is refused before any build exists to parse it."""
+    if not isinstance(text, str):
+        return None
+    if text in ("upload", "cpu"):
+        return (MISS_UPLOAD if text == "upload" else MISS_CPU), 0
+    match = _MISS_SPLIT.fullmatch(text)
+    if match and 1 <= int(match.group(1)) <= MISS_SPLIT_MAX:
+        return MISS_SPLIT, int(match.group(1))
+    return None
+
+
+def miss_policy(text: str) -> str:
+    """An argparse type: a miss policy, kept as the text (what the environment variable takes)."""
+    if parse_miss_policy(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a miss policy ({MISS_POLICY_RULE})")
+    return text
 
 
 # ---- paths -----------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+from pyllama_moe.arguments import MISS_POLICY_RULE, parse_miss_policy
 from pyllama_moe.build import ffi
 from pyllama_moe.errors import UserError
 
@@ -71,15 +72,22 @@ def _model_params_with(overrides):
 
 def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int = 0, moe_cache_mib: int | None = None,
               moe_cache_seed: bool | None = None, moe_cache_profile: str | Path | None = None,
-              sched_async_cpu: bool | None = None, **llama_kwargs):
+              sched_async_cpu: bool | None = None, moe_miss_policy: str | None = None, **llama_kwargs):
     """A `llama_cpp.Llama` whose expert tensors stay on the host (every layer's with cpu_moe, the first n_cpu_moe
     layers' otherwise) and whose context has an expert cache of moe_cache_mib MiB per GPU (None: the process
     default, LLAMA_MOE_CACHE_MIB), seeded at a prompt's end unless moe_cache_seed is False (None: the process
     default, LLAMA_MOE_CACHE_SEED, on), started from the expert cache profile moe_cache_profile where that file exists
     and counted into it when the context is freed (None: the process default, LLAMA_MOE_CACHE_PROFILE, none; see
     `pyllama_moe.plot.profile`), computing its CPU splits on a worker thread beside the GPU's when sched_async_cpu is
-    True (None: the process default, GGML_SCHED_ASYNC_CPU, off; docs/async-cpu.md). Other keywords go to `Llama`.
-    Needs `use_build` first."""
+    True (None: the process default, GGML_SCHED_ASYNC_CPU, off; docs/async-cpu.md), and whose cache's decode steps
+    follow the miss policy moe_miss_policy ("upload" every miss; "cpu": no uploads, the misses computed on the CPU
+    beside the GPU's hits; "split:N": at most N uploads a layer step, the rest on the CPU; None: the process default,
+    LLAMA_MOE_MISS_POLICY, upload; docs/hot-cold.md). Other keywords go to `Llama`. Needs `use_build` first; a miss
+    policy that is none of these is a ValueError."""
+    policy = None if moe_miss_policy is None else parse_miss_policy(moe_miss_policy)
+    if moe_miss_policy is not None and policy is None:  # before anything is imported or loaded
+        raise ValueError(f"moe_miss_policy={moe_miss_policy!r} is not a miss policy: give {MISS_POLICY_RULE}")
+
     from llama_cpp import Llama
 
     from pyllama_moe.worker.model import cpu_overrides
@@ -95,6 +103,8 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
         raise UserError(f"the {moe.build.variant} build has no expert cache profiles", "use_build('patched', ...)")
     if sched_async_cpu is not None and "llama_moe_set_sched_async_cpu" not in dir(moe):
         raise UserError(f"the {moe.build.variant} build has no asynchronous CPU splits", "use_build('patched', ...)")
+    if policy is not None and "llama_moe_default_set_moe_miss_policy" not in dir(moe):
+        raise UserError(f"the {moe.build.variant} build has no miss policy", "use_build('patched', ...)")
     if moe_cache_mib and moe.build.backend == "cpu" and not os.environ.get("GGML_SIM_DEVICES"):
         # the library says so in its log too, but Llama hides that unless verbose
         sys.stderr.write(f"pyllama_moe: the expert cache needs a GPU: this {moe.build.backend} build runs without it "
@@ -104,6 +114,7 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
         previous = moe.llama_moe_default_get_moe_cache_mib() if moe_cache_mib is not None else None
         previous_seed = moe.llama_moe_default_get_moe_cache_seed() if moe_cache_seed is not None else None
         previous_profile = _default_profile(moe) if moe_cache_profile is not None else None
+        previous_policy = _default_miss_policy(moe) if policy is not None else None
         try:
             if moe_cache_profile is not None:
                 # the cache reads the path when the context makes it (inside Llama), and keeps it till it is freed
@@ -112,12 +123,16 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
                 moe.llama_moe_default_set_moe_cache_mib(int(moe_cache_mib))
             if moe_cache_seed is not None:
                 moe.llama_moe_default_set_moe_cache_seed(1 if moe_cache_seed else 0)
+            if policy is not None:
+                moe.llama_moe_default_set_moe_miss_policy(*policy)  # read when the context makes its cache
             model = Llama(model_path=str(model_path), **llama_kwargs)
         finally:
             if previous is not None:
                 moe.llama_moe_default_set_moe_cache_mib(previous)
             if previous_seed is not None:
                 moe.llama_moe_default_set_moe_cache_seed(previous_seed)
+            if previous_policy is not None:
+                moe.llama_moe_default_set_moe_miss_policy(*previous_policy)
             if moe_cache_profile is not None:
                 # back to what was in effect (a path set before, or the environment's, which is then read again)
                 moe.llama_moe_default_set_moe_cache_profile(previous_profile or moe._ffi.NULL)
@@ -136,6 +151,13 @@ def _context_of(moe, model):
     return moe._ffi.cast("struct llama_context *", ctypes.cast(model.ctx, ctypes.c_void_p).value)
 
 
+def _default_miss_policy(moe) -> tuple[int, int]:
+    """The miss policy in effect for new caches (llama_moe_default_get_moe_miss_policy), as (kind, n)."""
+    n = moe._ffi.new("int32_t *")
+    kind = int(moe.llama_moe_default_get_moe_miss_policy(n))
+    return kind, int(n[0])
+
+
 def _default_profile(moe) -> bytes | None:
     """The profile path in effect for new caches (llama_moe_default_get_moe_cache_profile), or None."""
     p = moe.llama_moe_default_get_moe_cache_profile()
@@ -145,7 +167,8 @@ def _default_profile(moe) -> bytes | None:
 def cache_stats(moe: ffi.MoeLib, model) -> dict:
     """The expert cache's counters of a `Llama`'s context per phase ("prompt", "decode"), summed over its layers and
     per cached layer, with the decode hit rate (None where nothing was looked up; a prompt has none: it stages every
-    expert of a layer, so its hits say how full the cache is). Steps read in place count their routed ids as hits."""
+    expert of a layer, so its hits say how full the cache is). Steps read in place count their routed ids as hits;
+    decode's n_cold, the misses computed on the CPU under the miss policy, count as misses."""
     import llama_cpp.llama_cpp as lc
 
     ctx = _context_of(moe, model)

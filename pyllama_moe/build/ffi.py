@@ -126,7 +126,8 @@ def load(build: Build) -> MoeLib:
 def cache_counters(lib, ffi, ctx, phase: int, il: int = -1) -> tuple[int, dict[str, int]]:
     """`llama_moe_cache_get_counters` of a context (a cffi `struct llama_context *`): the number of layers it caches,
     and the counters of layer il (-1: summed over them) in phase 0 (prompt) or 1 (decode), by the field names of this
-    header's struct, so fields appended to it come along."""
+    header's struct, so fields appended to it come along. Decode's have n_cold where the build has a miss policy
+    (`llama_moe_cache_get_cold_misses`: the misses computed on the CPU, beside n_misses, the uploaded ones)."""
     out = ffi.new("struct llama_moe_cache_counters *")
     n_layers = int(lib.llama_moe_cache_get_counters(ctx, il, phase, out))
     counters = {name: int(getattr(out, name)) for name, _ in ffi.typeof("struct llama_moe_cache_counters").fields}
@@ -151,8 +152,9 @@ def cache_path_steps(lib, ffi, ctx, phase: int, il: int = -1) -> dict[str, int]:
 
 def decode_hit_rate(counters: dict[str, int], since: dict[str, int] | None = None) -> float | None:
     """The hit rate of decode counters (cache_counters' dict), or of what they counted after `since` (the same
-    counters read earlier): steps read in place count their routed ids as hits, misses computed on the CPU (hot/cold)
-    count as misses; None where nothing was looked up."""
+    counters read earlier): steps read in place count their routed ids as hits, misses computed on the CPU (n_cold)
+    count as misses, so that a policy which uploads less does not read as a better rate; None where nothing was
+    looked up."""
     def hits_misses(c):
         return c["n_hits"] + c.get("n_routed_in_place", 0), c["n_misses"] + c.get("n_cold", 0)
 

@@ -9,7 +9,8 @@ import os
 import re
 from pathlib import Path
 
-from pyllama_moe.arguments import count, input_dir, input_file, outside_range, range_text
+from pyllama_moe.arguments import (count, input_dir, input_file, MISS_POLICY_RULE, outside_range, parse_miss_policy,
+                                   range_text)
 from pyllama_moe.errors import UserError
 
 
@@ -118,6 +119,8 @@ _BENCH_NUMBERS = {
     ("-pfs", "--sched-prefetch-staging"): ("a MiB count", 0, None),
 }
 BENCH_NUMBERS = {flag: rule for flags, rule in _BENCH_NUMBERS.items() for flag in flags}
+# llama-bench's flags whose elements are words, each checked as the build would parse it: what a value is, the rule
+BENCH_WORDS = {flag: ("a miss policy", parse_miss_policy, MISS_POLICY_RULE) for flag in ("-mmp", "--moe-miss-policy")}
 _BENCH_ELEMENT = re.compile(r"^(-?\d+)(?:-(\d+)(?:[+*](\d+))?)?$")
 
 
@@ -131,14 +134,20 @@ def _bench_elements(bench_args: list[str]):
 
 
 def check_bench_numbers(bench_args: list[str], tool: str = "llama-bench") -> None:
-    """Each value of a numeric llama-bench flag within its range, element by element, before any build: llama-bench
-    itself takes -ub 0 and fails only at its run, or, for some, runs on with a value that means nothing."""
+    """Each element of a numeric llama-bench flag's value within its range, and each of -mmp's a policy the build
+    takes, before any build: llama-bench itself takes -ub 0 and fails only at its run, or, for some, runs on with a
+    value that means nothing."""
     for flag, value, element, numbers in _bench_elements(bench_args):
+        where = f" in {value}" if element != value else ""
+        if flag in BENCH_WORDS:
+            noun, parse, rule_text = BENCH_WORDS[flag]
+            if parse(element) is None:
+                raise UserError(f"argument {flag} ({tool}): {element!r}{where} is not {noun} ({rule_text})")
+            continue
         rule = BENCH_NUMBERS.get(flag)
         if rule is None:
             continue
         noun, low, high = rule
-        where = f" in {value}" if element != value else ""
         if numbers is None:
             raise UserError(f"argument {flag} ({tool}): {element!r}{where} is not {noun} (a whole number, or a "
                             f"range first-last[+step|*step], {range_text(low, high)})")

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from pyllama_moe.arguments import (choice_list, count, input_dir, input_file, LLAMA_THREADS, MIB, output_file,
-                                   real_number, refuse_overwrite, seconds, threads_or_all, whole_number)
+from pyllama_moe.arguments import (choice_list, count, input_dir, input_file, LLAMA_THREADS, MIB, miss_policy,
+                                   output_file, real_number, refuse_overwrite, seconds, threads_or_all, whole_number)
 from pyllama_moe.cli.args import check_bench_numbers, check_cache_has_a_device, check_cpu_moe_layers
 from pyllama_moe.errors import UserError
 from pyllama_moe.paths import CI_DIR
@@ -46,6 +46,12 @@ def _async_cpu_env(switch: str | None) -> dict[str, str]:
     return {} if switch is None else {"GGML_SCHED_ASYNC_CPU": "1" if switch == "on" else "0"}
 
 
+def _miss_policy_env(policy: str | None) -> dict[str, str]:
+    """The environment of --moe-miss-policy upload|cpu|split:N (None: the process's own, LLAMA_MOE_MISS_POLICY or
+    upload)."""
+    return {} if policy is None else {"LLAMA_MOE_MISS_POLICY": policy}
+
+
 def _profile_env(path: Path | None) -> dict[str, str]:
     """The environment of --moe-cache-profile FILE (an absolute path: the worker runs elsewhere)."""
     return {} if path is None else {"LLAMA_MOE_CACHE_PROFILE": str(Path(path).resolve())}
@@ -54,7 +60,7 @@ def _profile_env(path: Path | None) -> dict[str, str]:
 def _check_run(args) -> None:
     """Everything `run` can refuse, before it fetches or builds anything."""
     for flag, value in (("--moe-cache-mib", args.moe_cache_mib), ("--moe-cache-seed", args.moe_cache_seed),
-                        ("--moe-cache-profile", args.moe_cache_profile)):
+                        ("--moe-cache-profile", args.moe_cache_profile), ("--moe-miss-policy", args.moe_miss_policy)):
         if value is not None and args.variant != "patched":
             raise UserError(f"{flag} needs the patched build (master has no expert cache)",
                             "drop it or use --variant patched")
@@ -111,7 +117,7 @@ def cmd_run(args) -> int:
                           n_ubatch=args.ubatch, threads=_threads(args), generate=args.generate,
                           moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None,
                           env={**_seed_env(args.moe_cache_seed), **_profile_env(args.moe_cache_profile),
-                               **_async_cpu_env(args.sched_async_cpu)})
+                               **_async_cpu_env(args.sched_async_cpu), **_miss_policy_env(args.moe_miss_policy)})
     result = runner.run(built, src, spec)
     _show_moe_alerts(result.moe_alerts)
     if args.logits_out:
@@ -129,6 +135,8 @@ def cmd_run(args) -> int:
         rate = decode_hit_rate(decode)
         rate_text = "n/a" if rate is None else f"{rate:.1%}"
         cache_line = f"\nexpert cache, decode: {decode['n_ubatches']} layer steps, hit rate {rate_text}"
+        if "n_cold" in decode:  # a build with a miss policy: the misses it did not upload
+            cache_line += f", {decode['n_misses']} misses uploaded, {decode['n_cold']} computed on the CPU"
     print(json.dumps(reply, indent=1) if args.json else f"logits sha256 {result.logits_sha256}\n{result.text}{cache_line}")
     return 0
 
@@ -412,6 +420,10 @@ def register(sub) -> None:
     p.add_argument("--sched-async-cpu", choices=("on", "off"),
                    help="compute CPU splits on a worker thread beside the GPU's (patched builds; default: "
                         "GGML_SCHED_ASYNC_CPU, off; docs/async-cpu.md)")
+    p.add_argument("--moe-miss-policy", type=miss_policy, metavar="upload|cpu|split:N",
+                   help="what decode does with an expert the cache does not hold: upload it, compute it on the CPU, or "
+                        "upload at most N a layer step and compute the rest on the CPU (patched builds; default: "
+                        "LLAMA_MOE_MISS_POLICY, upload; docs/hot-cold.md)")
     p.add_argument("--logits-out", type=output_file("logits file"), help="write the all-position logits (f32) as .npy")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_run)

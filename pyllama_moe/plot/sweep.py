@@ -25,7 +25,8 @@ LOG2_SPAN = 8  # x values spanning more than this factor get a base-2 axis (ubat
 # the fields of a llama-bench record that are its measurement, not its settings
 LLAMA_BENCH_RESULTS = {"avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts", "test_time",
                        "moe_cache_hit_rate", "moe_cache_layer_hit_rates", "samples_moe_cache_hit_rate",
-                       "samples_moe_cache_layer_hit_rates", "samples_moe_cache_upload_bytes"}
+                       "samples_moe_cache_layer_hit_rates", "samples_moe_cache_upload_bytes",
+                       "moe_cache_layer_cold_misses", "samples_moe_cache_cold_misses"}
 
 
 def sweep_series(path: Path, field: str, measure: str) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
