@@ -40,6 +40,7 @@ async-identity      async-cpu.sh identity     the CPU worker's CUDA identity cel
 async-overlap       async-cpu.sh overlap      a shared-expert model with experts on the host: tg128 with the worker off and on
 async-power         async-cpu.sh power        the divergence contract's power on CUDA: the smallest planted fault it flags
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
+masked-ids          device-lookup.sh masked-ids  test-backend-ops of MUL_MAT_ID/ADD_ID with ids of -1 on CUDA0 (each kernel, fusions), under memcheck
 lookup-syncs        device-lookup.sh syncs    host syncs per token: cache on the device, host-side plan, all on the GPU
 lookup-tg           device-lookup.sh tg       tg128 against master, paced, then against master's -ncmoe 24 rows
 lookup-tg-static    device-lookup.sh tg-static  tg128 against master's -ncmoe 24 rows alone, both load modes
