@@ -6,6 +6,10 @@
 #              memcheck and racecheck (memcheck without API error reports: between test cases of other graph shapes
 #              ggml-cuda's cudaGraphExecUpdate fails by design and it re-instantiates, 8 such reports a run;
 #              memory errors still fail the run)
+#   masked-ids MUL_MAT_ID and ADD_ID with ids of -1 (ggml_mul_mat_id_masked, the hot/cold split's merge) on CUDA0
+#              against the CPU: the masked cases by kernel (MMVQ, MMQ, MMF, MMVF, the generic path) and their
+#              fusions, each masked row exactly +0.0, and the plain ops, whose kernels the masking touched; then the
+#              same under compute-sanitizer memcheck (no -1 read or indexed out of bounds). Fails where either fails
 #   syncs      host synchronizations per decoded token with the cache on the device, with the host-side plan
 #              (LLAMA_MOE_CACHE_DEVICE=0) and with every weight on the GPU (target: device <= all-on-GPU + 1)
 #   tg         tg128, skew 0.5, cache at half the expert bytes against master, paced (target: lower end >= 2.5); then
@@ -15,7 +19,7 @@
 #   tg-skew0   the second run on the skew-0 model (uniform routing: reported against -ncmoe 24, no target)
 # The cells (cache.sh identity) take the device path by default now; the moe-cache-host cell keeps the host plan.
 set -uo pipefail
-step=${1:?usage: device-lookup.sh ops|syncs|tg|tg-static|tg-skew0}
+step=${1:?usage: device-lookup.sh ops|masked-ids|syncs|tg|tg-static|tg-skew0}
 . "$(dirname "$0")/common.sh"
 CACHE_MIB=${CACHE_MIB:-7800}
 
@@ -33,6 +37,21 @@ ops)
             echo "compute-sanitizer $tool $op: exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tests passed" "$OUT/ops-$op-$tool.txt" | tail -2
         done
     done
+    ;;
+masked-ids)
+    wait_builds 300 || exit 1
+    P=$(patched_bin)
+    # OPS narrows a rerun (e.g. OPS=MUL_MAT_ID_MASKED); the plain MUL_MAT_ID cases take most of memcheck's time
+    ops=${OPS:-MUL_MAT_ID_MASKED,ADD_ID_MASKED,MUL_MAT_VEC_FUSION_MASKED,MUL_MAT_ID,ADD_ID}
+    timeout 300 "$P/test-backend-ops" -b CUDA0 -o "$ops" > "$OUT/masked-ids.txt" 2>&1
+    rc=$?
+    echo "test-backend-ops $ops: exit $rc"; grep -E "tests passed|FAIL" "$OUT/masked-ids.txt" | tail -5
+    timeout ${MEMCHECK_S:-540} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+        "$P/test-backend-ops" -b CUDA0 -o "$ops" > "$OUT/masked-ids-memcheck.txt" 2>&1
+    rc_memcheck=$?
+    echo "compute-sanitizer memcheck $ops: exit $rc_memcheck"
+    grep -E "ERROR SUMMARY|tests passed" "$OUT/masked-ids-memcheck.txt" | tail -2
+    [ $rc = 0 ] && [ $rc_memcheck = 0 ] || exit 1
     ;;
 syncs)
     wait_builds 300 || exit 1
@@ -83,7 +102,7 @@ tg|tg-static|tg-skew0)
         | tee "$OUT/device-${step%-static}-static.txt"
     ;;
 *)
-    echo "unknown step $step: use ops|syncs|tg|tg-static|tg-skew0"; exit 2
+    echo "unknown step $step: use ops|masked-ids|syncs|tg|tg-static|tg-skew0"; exit 2
     ;;
 esac
 echo "step $step: $((SECONDS - T0)) s"

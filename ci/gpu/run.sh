@@ -44,6 +44,7 @@ hot-cold-policy     hot-cold.sh policy        tg128: each miss policy against up
 hot-cold-master     hot-cold.sh master        tg128: the cache with POLICY (default cpu) against master -cmoe, per budget
 hot-cold-parallel   hot-cold.sh parallel      graphs of 4-16 tokens under upload and cpu against master -cmoe, per budget
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
+masked-ids          device-lookup.sh masked-ids  test-backend-ops of MUL_MAT_ID/ADD_ID with ids of -1 on CUDA0 (each kernel, fusions), under memcheck
 lookup-syncs        device-lookup.sh syncs    host syncs per token: cache on the device, host-side plan, all on the GPU
 lookup-tg           device-lookup.sh tg       tg128 against master, paced, then against master's -ncmoe 24 rows
 lookup-tg-static    device-lookup.sh tg-static  tg128 against master's -ncmoe 24 rows alone, both load modes

@@ -17,7 +17,7 @@
 //   "ggml_backend_dev_masked_ids" (ggml_backend_dev_masked_ids_t): the device computes MUL_MAT_ID and ADD_ID nodes
 //                             whose ids may be -1 ("no expert", ggml_mul_mat_id_masked): a zero row, nothing added.
 //                             ggml_backend_dev_supports_op refuses such a node to a device that does not report it,
-//                             so no backend indexes with -1 (CPU and SIM: yes).
+//                             so no backend indexes with -1 (CPU, CUDA and SIM: yes; not claimed for ROCm and MUSA).
 #pragma once
 
 #include "ggml-backend.h"
