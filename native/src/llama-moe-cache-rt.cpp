@@ -486,9 +486,6 @@ static int64_t banks_up_to(const llama_moe_cache_rt & rt, const rt_layer & l) {
     if (layer_in_place(rt, l)) {
         return INT64_MAX;
     }
-    if (l.hot_cold) {
-        return hot_cold_max_tokens(); // the banks' experts read, the rest on the CPU beside them
-    }
     return std::min<int64_t>(std::min(rt.decode_max, l.vec_max), l.n_slots / std::max(1, l.n_used));
 }
 
@@ -571,11 +568,14 @@ static void explain_batches(const llama_moe_cache_rt & rt, uint32_t n_seq_max, u
     if (widest > all_up_to) {
         int32_t n_leave = 0;
         for (const rt_layer & l : rt.layers) {
-            n_leave += widest > banks_up_to(rt, l);
+            // a hot/cold layer keeps such a step's resident experts on the GPU (its own line says so)
+            n_leave += widest > banks_up_to(rt, l) && !(l.hot_cold && widest <= hot_cold_max_tokens());
         }
-        LLAMA_LOG_WARN("llama_moe: expert cache: this context decodes up to %u sequences at once (n_seq_max): a step of %"
-                PRId64 " tokens leaves the banks in %d of %d cached layers and computes their experts on the %s\n",
-                n_seq_max, widest, n_leave, n_layers, widest < offload_min ? "CPU" : "GPU from uploads of every expert");
+        if (n_leave > 0) {
+            LLAMA_LOG_WARN("llama_moe: expert cache: this context decodes up to %u sequences at once (n_seq_max): a step "
+                    "of %" PRId64 " tokens leaves the banks in %d of %d cached layers and computes their experts on the %s\n",
+                    n_seq_max, widest, n_leave, n_layers, widest < offload_min ? "CPU" : "GPU from uploads of every expert");
+        }
     }
 }
 
