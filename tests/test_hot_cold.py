@@ -52,13 +52,20 @@ def _same_bytes(got, off):
     assert got.generated == off.generated
 
 
+@pytest.mark.parametrize("lookup", ["device", "host-plan"])
 @pytest.mark.parametrize("parallel", [1, 4, 12])
 @pytest.mark.parametrize("policy", ["upload", "cpu", "split:1"])
 def test_every_policy_computes_the_cache_offs_bytes_and_uploads_what_it_says(patched_build, src, model, cache_off,
-                                                                             policy, parallel):
-    got = _run(patched_build, src, model, {"LLAMA_MOE_CACHE_MIB": "2", "LLAMA_MOE_MISS_POLICY": policy}, parallel)
+                                                                             policy, parallel, lookup):
+    # the lookup on the device, or planned on the host from the router's ids read back (LLAMA_MOE_CACHE_DEVICE=0, as
+    # where the experts are pageable): both follow the policy
+    env = {"LLAMA_MOE_CACHE_MIB": "2", "LLAMA_MOE_MISS_POLICY": policy,
+           **({"LLAMA_MOE_CACHE_DEVICE": "0"} if lookup == "host-plan" else {})}
+    got = _run(patched_build, src, model, env, parallel)
     _same_bytes(got, cache_off[parallel])
     assert f"miss policy {policy}; {HOT_COLD}" in got.log
+    looked_up = int(re.search(r", (\d+) looked up on the device,", got.log).group(1))
+    assert (looked_up > 0) == (lookup == "device")
     steps, hits, uploaded, cold, staging = _summary(got.log)
     # a step of one sequence per token: every step after the prompt, in every layer
     assert steps == N_LAYERS * (N_GEN - 1) and staging == 0

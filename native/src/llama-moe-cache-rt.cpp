@@ -241,6 +241,11 @@ static int32_t hot_cold_max_tokens() {
     return n;
 }
 
+// the rows of a layer's slot and cold maps: a token each of the largest graph the host-side plan serves
+static int32_t plan_map_rows(int32_t decode_max) {
+    return std::max(decode_max, hot_cold_max_tokens());
+}
+
 // the routed ids a layer's lookup tensor has room for: a graph that fits the slots, or a hot/cold graph
 static int64_t lookup_max_ids(int32_t n_slots, int32_t n_used) {
     return std::max<int64_t>(n_slots, (int64_t) hot_cold_max_tokens() * n_used);
@@ -350,7 +355,7 @@ static int32_t layer_n_tensors(const rt_layer & l) {
 
 // the slot map and the device lookup's state of one layer: what a cached layer takes besides its slots
 static size_t layer_overhead_bytes(const rt_layer & l, int32_t decode_max) {
-    return (size_t) l.n_expert * decode_max * sizeof(int32_t) +
+    return (size_t) l.n_expert * plan_map_rows(decode_max) * sizeof(int32_t) +
            (size_t) ggml_moe_cache_tensor_size(l.n_expert, l.n_expert, lookup_max_ids(l.n_expert, l.n_used)) * sizeof(int32_t);
 }
 
@@ -383,6 +388,32 @@ llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_bac
 }
 
 // the banks of the layers of one device in one buffer; false (nothing allocated) if it does not fit
+// the cold maps of a device's cached layers, in CPU memory (the cold branch's get_rows runs there), weights to the
+// scheduler so that it leaves them where they are; without them the host-side plan of these layers is never hot/cold
+static void alloc_cold_maps(llama_moe_cache_rt & rt, const std::vector<rt_layer *> & layers) {
+    ggml_init_params ip = { ggml_tensor_overhead() * layers.size(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    for (rt_layer * l : layers) {
+        if (l->n_slots > 0) {
+            l->g.cold_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l->n_expert, plan_map_rows(rt.decode_max));
+            ggml_format_name(l->g.cold_map, "moe_cache_cold_map-%d", l->il);
+        }
+    }
+    ggml_backend_buffer_t buf = ggml_get_first_tensor(ctx) ?
+            ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type()) : nullptr;
+    if (buf == nullptr) {
+        ggml_free(ctx);
+        for (rt_layer * l : layers) {
+            l->g.cold_map = nullptr;
+        }
+        return;
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_buffer_clear(buf, 0xff); // -1: no expert cold before the first plan
+    rt.ctxs.push_back(ctx);
+    rt.bufs.push_back(buf);
+}
+
 static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & layers, const std::vector<int32_t> & n_slots) {
     // per layer its banks, slot map and state; the status words
     ggml_init_params ip = { ggml_tensor_overhead() * ((LLAMA_MOE_CACHE_N_TENSORS + 2) * layers.size() + 1) + 1024, nullptr, true };
@@ -408,7 +439,7 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
             }
         }
         if (n_slots[i] > 0) {
-            l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, rt.decode_max);
+            l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, plan_map_rows(rt.decode_max));
             ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
             // the slot state, then what a lookup leaves: the fills, the slot and cold ids of a decode graph (one whose
             // routed ids fit the slots, or a hot/cold one)
@@ -458,6 +489,7 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
     ggml_backend_buffer_clear(buf, 0); // slots in range before the first plan
     rt.ctxs.push_back(ctx);
     rt.bufs.push_back(buf);
+    alloc_cold_maps(rt, layers);
     return true;
 }
 
@@ -1004,10 +1036,10 @@ static void write_profile_locked(llama_moe_cache_rt & rt, uint64_t n_decode, uin
 }
 
 // why decode graphs cannot compute layer l hot/cold (its cold experts on the CPU beside the hot ones on its device),
-// or nullptr; asked once the layer looks its slots up on the device
+// or nullptr; asked once the path of its decode lookups is chosen
 static const char * hot_cold_unfit(const rt_layer & l) {
-    if (!l.device_lookup) {
-        return "decode plans its slots on the host";
+    if (!l.device_lookup && l.g.cold_map == nullptr) {
+        return "its host-side plan has no cold map (CPU memory)";
     }
     if (hot_cold_max_tokens() < 1) {
         return "GGML_OP_OFFLOAD_MIN_BATCH offloads the host weights' ops of every graph";
@@ -1112,7 +1144,7 @@ static void choose_device_lookup(llama_moe_cache_rt & rt) {
             }
             const char * why = layer_device_unfit(l);
             l.device_lookup = why == nullptr;
-            l.hot_cold      = l.device_lookup && hot_cold_unfit(l) == nullptr;
+            l.hot_cold      = hot_cold_unfit(l) == nullptr;
             n_on += l.device_lookup;
             n_all++;
             why_not = why_not ? why_not : why;
@@ -1450,7 +1482,7 @@ const llama_moe_cache_graph_layer * llama_moe_cache_graph_layer_for(llama_moe_ca
     // hot/cold: any graph whose expert matmuls on the host weights stay on the CPU, under every policy; what the
     // lookup does not fill (the policy, or the experts past the slots) is computed there beside the banks
     if (l.hot_cold && can_mask && n_tokens <= hot_cold_max_tokens()) {
-        *device   = true;
+        *device   = l.device_lookup;
         *hot_cold = true;
         return &l.g;
     }
@@ -1515,11 +1547,12 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
 }
 
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
-        int32_t il, bool banks, bool in_place, int64_t graph_tokens) {
+        int32_t il, bool banks, bool in_place, bool hot_cold, int64_t graph_tokens) {
     GGML_ASSERT(rt != nullptr && il >= 0 && il < (int32_t) rt->index.size() && rt->index[il] >= 0);
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ids->nb[0] == sizeof(int32_t));
     GGML_ASSERT((in_place || ids->ne[0] == rt->layers[rt->index[il]].n_used) && !(in_place && banks));
-    routes.push_back({ at, ids, il, banks, in_place, false, false, false, graph_tokens });
+    GGML_ASSERT(!hot_cold || banks);
+    routes.push_back({ at, ids, il, banks, in_place, false, hot_cold, false, graph_tokens });
 }
 
 void llama_moe_cache_graph_prompt_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at,
@@ -1568,11 +1601,12 @@ static int64_t read_ids(llama_moe_cache_rt & rt, const ggml_tensor * t) {
 static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r) {
     rt_layer & l = rt.layers[rt.index[r.il]];
     const int64_t n_tokens = r.ids->ne[1];
-    GGML_ASSERT(n_tokens >= 1 && n_tokens <= rt.decode_max);
+    GGML_ASSERT(n_tokens >= 1 && n_tokens <= (r.hot_cold ? l.g.slot_map->ne[2] : rt.decode_max));
     const int64_t stride = read_ids(rt, r.ids);
 
     planner_takes(l);
-    const bool ok = rt.plan->plan_decode(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride, rt.dplan);
+    const bool ok = rt.plan->plan_decode(r.il, rt.ids_host.data(), n_tokens, l.n_used, stride, rt.dplan, rt.max_fills,
+            r.hot_cold);
     GGML_ASSERT(ok && "a graph whose experts may not fit the slots reads the banks"); // see graph_layer_for
 
     // the fills, in runs of consecutive experts into consecutive slots (as the stats count the copies)
@@ -1582,16 +1616,25 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     });
     upload_fills(l, fills, l.backend);
     // the slot of every expert, one row per token (get_rows reads row t for token t); experts not resident map to
-    // slot 0, never read: every routed expert is resident
+    // slot 0, never read: every routed expert is resident. A hot/cold plan maps its cold experts to -1 (masked in the
+    // banks' matmuls) and writes the cold map, e where e is cold: the CPU's cold branch reads it after this callback
     const llama_moe_cache_layer & pl = *rt.plan->layer(r.il);
     l.slot_map_host.resize((size_t) n_tokens * l.n_expert);
     for (int32_t e = 0; e < l.n_expert; e++) {
-        l.slot_map_host[e] = std::max(pl.slot_of[e], 0);
+        l.slot_map_host[e] = r.hot_cold ? pl.slot_of[e] : std::max(pl.slot_of[e], 0);
     }
     for (int64_t tk = 1; tk < n_tokens; tk++) {
         std::copy(l.slot_map_host.begin(), l.slot_map_host.begin() + l.n_expert, l.slot_map_host.begin() + tk * l.n_expert);
     }
     ggml_backend_tensor_set_async(l.backend, l.g.slot_map, l.slot_map_host.data(), 0, l.slot_map_host.size() * sizeof(int32_t));
+    if (r.hot_cold) {
+        int32_t * cold = (int32_t *) l.g.cold_map->data;
+        for (int64_t tk = 0; tk < n_tokens; tk++) {
+            for (int32_t e = 0; e < l.n_expert; e++) {
+                cold[tk * l.n_expert + e] = pl.slot_of[e] < 0 ? e : -1;
+            }
+        }
+    }
 }
 
 //

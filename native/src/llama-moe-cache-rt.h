@@ -84,10 +84,13 @@ struct llama_moe_cache_graph_layer {
     // hold is not cached), and their banks ([ne0, ne1, n_slots] or [ne0, n_slots])
     const ggml_tensor * host[LLAMA_MOE_CACHE_N_TENSORS] = {};
     ggml_tensor *       bank[LLAMA_MOE_CACHE_N_TENSORS] = {};
-    // I32 [1, n_expert, decode_max]: the slot of each expert, one row per token, written by the plan; the graph
+    // I32 [1, n_expert, rows]: the slot of each expert, one row per token, written by the plan; the graph
     // takes slot ids = get_rows(slot_map, router ids), so the matmuls depend on the router's output (and keep it
-    // alive until the plan has read it)
+    // alive until the plan has read it). -1 where a hot/cold plan leaves the expert cold
     ggml_tensor * slot_map = nullptr;
+    // I32 [1, n_expert, rows] in CPU memory: a hot/cold plan's cold experts (e where cold, else -1), which the cold
+    // branch on the CPU reads as get_rows(cold_map, router ids); nullptr where the CPU's memory held none
+    ggml_tensor * cold_map = nullptr;
 };
 
 // a router output of one graph that the cache reads back once the node `at` (the end of the routing, the last node
@@ -153,8 +156,9 @@ ggml_tensor * llama_moe_cache_build_device_lookup(llama_moe_cache_rt * rt, llama
         ggml_cgraph * gf, int32_t il, ggml_tensor * ids, int64_t graph_tokens, ggml_tensor ** banks, ggml_tensor ** cold_ids);
 // a layer the cache reads (banks, in_place) or counts (staging) records its routing: the eval callback plans a banks
 // route, the bind counts the others
+// hot_cold: a banks route whose plan follows the miss policy and writes the cold map (graph_layer_for's *hot_cold)
 void llama_moe_cache_graph_route(llama_moe_cache_rt * rt, llama_moe_cache_routes & routes, ggml_tensor * at, ggml_tensor * ids,
-        int32_t il, bool banks, bool in_place, int64_t graph_tokens);
+        int32_t il, bool banks, bool in_place, bool hot_cold, int64_t graph_tokens);
 // build_moe_ffn, for a layer that reads neither banks nor the staging path count (a prompt graph): records the routing
 // of a cached layer's own tensors (those it stages), for the seeding; nothing when the layer has no cache, its tensors
 // are others (a second call for the same layer), it is read in place, or it computes no rows

@@ -306,7 +306,7 @@ void llama_moe_cache::note_staging(int32_t il) {
 }
 
 bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
-        llama_moe_cache_decode_plan & out) {
+        llama_moe_cache_decode_plan & out, int32_t max_fills, bool cold) {
     llama_moe_cache_layer & l = layer_of(*this, il);
     llama_moe_cache_stats & st = l.stats[LLAMA_MOE_CACHE_PHASE_DECODE];
     out.overflow = false;
@@ -315,11 +315,11 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     out.fills.clear();
     st.n_ubatches++;
 
-    // the graph reads the banks only where every expert fits the slots: more distinct experts than slots take the
-    // staging path here (the device lookup computes the rest cold instead)
+    // without cold misses the graph reads the banks only where every expert fits the slots: more distinct experts
+    // than slots take the staging path here (a hot/cold plan computes the rest cold instead)
     std::vector<int32_t> & distinct = scratch;
     distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
-    if ((int64_t) distinct.size() > l.n_slots) {
+    if (!cold && (int64_t) distinct.size() > l.n_slots) {
         out.overflow   = true;
         out.n_distinct = (int32_t) distinct.size();
         count_staging(l, distinct, st);
@@ -331,13 +331,14 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     int32_t n_distinct = 0;
     int32_t n_cold     = 0;
     const int32_t n_missed = ggml_moe_cache_lookup_slots(&state, { l.marks.data(), l.distinct.data() }, ids, n_tokens, n_used,
-            stride, GGML_MOE_CACHE_FILL_ALL, out.slot_ids.data(), out.cold_ids.data(), l.fill_expert.data(),
+            stride, cold ? max_fills : GGML_MOE_CACHE_FILL_ALL, out.slot_ids.data(), out.cold_ids.data(), l.fill_expert.data(),
             l.fill_slot.data(), l.fill_evicted.data(), &n_distinct, &n_cold);
     out.n_distinct = n_distinct;
     // -2: an id out of range (a caller's bug); -3 cannot be, the state is the planner's own
-    MOE_CACHE_ASSERT(n_missed >= 0 && n_cold == 0 && "routed ids in [0, n_expert), a consistent slot state");
-    st.n_hits   += n_distinct - n_missed;
+    MOE_CACHE_ASSERT(n_missed >= 0 && (cold || n_cold == 0) && "routed ids in [0, n_expert), a consistent slot state");
+    st.n_hits   += n_distinct - n_missed - n_cold;
     st.n_misses += n_missed;
+    st.n_cold   += n_cold;
     for (int32_t i = 0; i < n_missed; i++) {
         st.n_evictions += l.fill_evicted[i] >= 0;
         st.n_fills++;

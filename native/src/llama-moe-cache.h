@@ -43,6 +43,8 @@
 // (staging -> bank, after the upload of that expert has landed), in queue order.
 #pragma once
 
+#include "ggml-moe-cache-lookup.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -170,8 +172,10 @@ struct llama_moe_cache {
 
     // ids: routed experts of token t at ids[t * stride + j], j < n_used, each in [0, n_expert).
     // Returns false on overflow (nothing changed but the stats).
+    // max_fills: the miss policy (ggml-moe-cache-lookup.h); a hot/cold plan (cold) leaves the misses past it, or past
+    // the slots, cold (their slot id -1, in cold_ids) instead of taking the staging path
     bool plan_decode(int32_t il, const int32_t * ids, int64_t n_tokens, int32_t n_used, int64_t stride,
-            llama_moe_cache_decode_plan & out);
+            llama_moe_cache_decode_plan & out, int32_t max_fills = GGML_MOE_CACHE_FILL_ALL, bool cold = false);
 
     // A prompt ubatch in two steps, because an upload issued ahead of the split (stage_all: the ubatch stages every
     // expert of the layer) cannot wait for the router: prompt_stage lists reads and uploads from the residents
