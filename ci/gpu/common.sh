@@ -109,6 +109,11 @@ follow_pipeline() { # $1: the step script, $2: the pipeline's own output folder,
     shift 3
     local args
     args=$(printf ' %q' "${@:-all}")
+    # a pipeline that died without its exit status (its folder removed, the machine's /tmp cleaned) starts again
+    if [ -f $pipe.pid ] && [ ! -f $pipe/pipeline.rc ] && ! kill -0 "$(cat $pipe.pid)" 2> /dev/null; then
+        echo "the pipeline of $pipe.pid is gone without an exit status: starting it again"
+        rm -f $pipe.pid
+    fi
     if [ ! -f $pipe.pid ]; then
         mkdir -p $pipe
         setsid env OUT=$pipe bash -c "bash $script$args > $pipe/pipeline.log 2>&1; echo \$? > $pipe/pipeline.rc" \
