@@ -57,6 +57,7 @@ struct rt_layer {
     // the slot map rows of the last plan; an asynchronous upload reads them after the callback returns, and the next
     // plan of the layer comes after the scheduler synchronized the device again (a later graph)
     std::vector<int32_t> slot_map_host;
+    std::vector<int32_t> cold_map_host; // ... and of the cold map of a hot/cold plan
     // the prompt plan of the graph being computed (made at the layer's first fill of that graph), per expert: the
     // slot its staged bytes are read from (-1: uploaded from the host), and the slot they are admitted into (-1: none)
     uint64_t prompt_graph = 0;
@@ -355,7 +356,7 @@ static int32_t layer_n_tensors(const rt_layer & l) {
 
 // the slot map and the device lookup's state of one layer: what a cached layer takes besides its slots
 static size_t layer_overhead_bytes(const rt_layer & l, int32_t decode_max) {
-    return (size_t) l.n_expert * plan_map_rows(decode_max) * sizeof(int32_t) +
+    return 2 * (size_t) l.n_expert * plan_map_rows(decode_max) * sizeof(int32_t) +
            (size_t) ggml_moe_cache_tensor_size(l.n_expert, l.n_expert, lookup_max_ids(l.n_expert, l.n_used)) * sizeof(int32_t);
 }
 
@@ -388,35 +389,9 @@ llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_bac
 }
 
 // the banks of the layers of one device in one buffer; false (nothing allocated) if it does not fit
-// the cold maps of a device's cached layers, in CPU memory (the cold branch's get_rows runs there), weights to the
-// scheduler so that it leaves them where they are; without them the host-side plan of these layers is never hot/cold
-static void alloc_cold_maps(llama_moe_cache_rt & rt, const std::vector<rt_layer *> & layers) {
-    ggml_init_params ip = { ggml_tensor_overhead() * layers.size(), nullptr, true };
-    ggml_context * ctx = ggml_init(ip);
-    for (rt_layer * l : layers) {
-        if (l->n_slots > 0) {
-            l->g.cold_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l->n_expert, plan_map_rows(rt.decode_max));
-            ggml_format_name(l->g.cold_map, "moe_cache_cold_map-%d", l->il);
-        }
-    }
-    ggml_backend_buffer_t buf = ggml_get_first_tensor(ctx) ?
-            ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type()) : nullptr;
-    if (buf == nullptr) {
-        ggml_free(ctx);
-        for (rt_layer * l : layers) {
-            l->g.cold_map = nullptr;
-        }
-        return;
-    }
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-    ggml_backend_buffer_clear(buf, 0xff); // -1: no expert cold before the first plan
-    rt.ctxs.push_back(ctx);
-    rt.bufs.push_back(buf);
-}
-
 static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & layers, const std::vector<int32_t> & n_slots) {
-    // per layer its banks, slot map and state; the status words
-    ggml_init_params ip = { ggml_tensor_overhead() * ((LLAMA_MOE_CACHE_N_TENSORS + 2) * layers.size() + 1) + 1024, nullptr, true };
+    // per layer its banks, slot and cold maps and state; the status words
+    ggml_init_params ip = { ggml_tensor_overhead() * ((LLAMA_MOE_CACHE_N_TENSORS + 3) * layers.size() + 1) + 1024, nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     if (ctx == nullptr) {
         return false;
@@ -441,6 +416,8 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         if (n_slots[i] > 0) {
             l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, plan_map_rows(rt.decode_max));
             ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
+            l.g.cold_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, plan_map_rows(rt.decode_max));
+            ggml_format_name(l.g.cold_map, "moe_cache_cold_map-%d", l.il);
             // the slot state, then what a lookup leaves: the fills, the slot and cold ids of a decode graph (one whose
             // routed ids fit the slots, or a hot/cold one)
             l.state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, ggml_moe_cache_tensor_size(l.n_expert, n_slots[i],
@@ -467,6 +444,7 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
         for (rt_layer * l : layers) {
             std::fill(std::begin(l->g.bank), std::end(l->g.bank), nullptr);
             l->g.slot_map = nullptr;
+            l->g.cold_map = nullptr;
             l->state      = nullptr;
             l->n_slots = 0;
             l->status_dev   = -1;
@@ -489,7 +467,6 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
     ggml_backend_buffer_clear(buf, 0); // slots in range before the first plan
     rt.ctxs.push_back(ctx);
     rt.bufs.push_back(buf);
-    alloc_cold_maps(rt, layers);
     return true;
 }
 
@@ -1038,9 +1015,6 @@ static void write_profile_locked(llama_moe_cache_rt & rt, uint64_t n_decode, uin
 // why decode graphs cannot compute layer l hot/cold (its cold experts on the CPU beside the hot ones on its device),
 // or nullptr; asked once the path of its decode lookups is chosen
 static const char * hot_cold_unfit(const rt_layer & l) {
-    if (!l.device_lookup && l.g.cold_map == nullptr) {
-        return "its host-side plan has no cold map (CPU memory)";
-    }
     if (hot_cold_max_tokens() < 1) {
         return "GGML_OP_OFFLOAD_MIN_BATCH offloads the host weights' ops of every graph";
     }
@@ -1628,12 +1602,14 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     }
     ggml_backend_tensor_set_async(l.backend, l.g.slot_map, l.slot_map_host.data(), 0, l.slot_map_host.size() * sizeof(int32_t));
     if (r.hot_cold) {
-        int32_t * cold = (int32_t *) l.g.cold_map->data;
+        l.cold_map_host.resize((size_t) n_tokens * l.n_expert);
         for (int64_t tk = 0; tk < n_tokens; tk++) {
             for (int32_t e = 0; e < l.n_expert; e++) {
-                cold[tk * l.n_expert + e] = pl.slot_of[e] < 0 ? e : -1;
+                l.cold_map_host[tk * l.n_expert + e] = pl.slot_of[e] < 0 ? e : -1;
             }
         }
+        ggml_backend_tensor_set_async(l.backend, l.g.cold_map, l.cold_map_host.data(), 0,
+                l.cold_map_host.size() * sizeof(int32_t));
     }
 }
 

@@ -88,8 +88,8 @@ struct llama_moe_cache_graph_layer {
     // takes slot ids = get_rows(slot_map, router ids), so the matmuls depend on the router's output (and keep it
     // alive until the plan has read it). -1 where a hot/cold plan leaves the expert cold
     ggml_tensor * slot_map = nullptr;
-    // I32 [1, n_expert, rows] in CPU memory: a hot/cold plan's cold experts (e where cold, else -1), which the cold
-    // branch on the CPU reads as get_rows(cold_map, router ids); nullptr where the CPU's memory held none
+    // I32 [1, n_expert, rows], beside the slot map: a hot/cold plan's cold experts (e where cold, else -1), written
+    // with it; the cold ids get_rows(cold_map, router ids) reach the CPU as its split's input, after the plan
     ggml_tensor * cold_map = nullptr;
 };
 
