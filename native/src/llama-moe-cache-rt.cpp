@@ -242,11 +242,6 @@ static int32_t hot_cold_max_tokens() {
     return n;
 }
 
-// the rows of a layer's slot and cold maps: a token each of the largest graph the host-side plan serves
-static int32_t plan_map_rows(int32_t decode_max) {
-    return std::max(decode_max, hot_cold_max_tokens());
-}
-
 // the routed ids a layer's lookup tensor has room for: a graph that fits the slots, or a hot/cold graph
 static int64_t lookup_max_ids(int32_t n_slots, int32_t n_used) {
     return std::max<int64_t>(n_slots, (int64_t) hot_cold_max_tokens() * n_used);
@@ -356,7 +351,8 @@ static int32_t layer_n_tensors(const rt_layer & l) {
 
 // the slot map and the device lookup's state of one layer: what a cached layer takes besides its slots
 static size_t layer_overhead_bytes(const rt_layer & l, int32_t decode_max) {
-    return 2 * (size_t) l.n_expert * plan_map_rows(decode_max) * sizeof(int32_t) +
+    GGML_UNUSED(decode_max);
+    return 2 * (size_t) l.n_expert * sizeof(int32_t) +
            (size_t) ggml_moe_cache_tensor_size(l.n_expert, l.n_expert, lookup_max_ids(l.n_expert, l.n_used)) * sizeof(int32_t);
 }
 
@@ -414,9 +410,9 @@ static bool alloc_device(llama_moe_cache_rt & rt, std::vector<rt_layer *> & laye
             }
         }
         if (n_slots[i] > 0) {
-            l.g.slot_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, plan_map_rows(rt.decode_max));
+            l.g.slot_map = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, l.n_expert);
             ggml_format_name(l.g.slot_map, "moe_cache_slot_map-%d", l.il);
-            l.g.cold_map = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, 1, l.n_expert, plan_map_rows(rt.decode_max));
+            l.g.cold_map = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, l.n_expert);
             ggml_format_name(l.g.cold_map, "moe_cache_cold_map-%d", l.il);
             // the slot state, then what a lookup leaves: the fills, the slot and cold ids of a decode graph (one whose
             // routed ids fit the slots, or a hot/cold one)
@@ -1575,7 +1571,7 @@ static int64_t read_ids(llama_moe_cache_rt & rt, const ggml_tensor * t) {
 static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r) {
     rt_layer & l = rt.layers[rt.index[r.il]];
     const int64_t n_tokens = r.ids->ne[1];
-    GGML_ASSERT(n_tokens >= 1 && n_tokens <= (r.hot_cold ? l.g.slot_map->ne[2] : rt.decode_max));
+    GGML_ASSERT(n_tokens >= 1 && n_tokens <= (r.hot_cold ? hot_cold_max_tokens() : rt.decode_max));
     const int64_t stride = read_ids(rt, r.ids);
 
     planner_takes(l);
@@ -1589,24 +1585,19 @@ static void plan_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
         return a.slot < b.slot;
     });
     upload_fills(l, fills, l.backend);
-    // the slot of every expert, one row per token (get_rows reads row t for token t); experts not resident map to
-    // slot 0, never read: every routed expert is resident. A hot/cold plan maps its cold experts to -1 (masked in the
-    // banks' matmuls) and writes the cold map, e where e is cold: the CPU's cold branch reads it after this callback
+    // the slot of every expert (the graph reads it at every routed id); experts not resident map to slot 0, never
+    // read: every routed expert is resident. A hot/cold plan maps its cold experts to -1 (masked in the banks'
+    // matmuls) and writes the cold map, e where e is cold, which the CPU's cold branch reads after this callback
     const llama_moe_cache_layer & pl = *rt.plan->layer(r.il);
-    l.slot_map_host.resize((size_t) n_tokens * l.n_expert);
+    l.slot_map_host.resize(l.n_expert);
     for (int32_t e = 0; e < l.n_expert; e++) {
         l.slot_map_host[e] = r.hot_cold ? pl.slot_of[e] : std::max(pl.slot_of[e], 0);
     }
-    for (int64_t tk = 1; tk < n_tokens; tk++) {
-        std::copy(l.slot_map_host.begin(), l.slot_map_host.begin() + l.n_expert, l.slot_map_host.begin() + tk * l.n_expert);
-    }
     ggml_backend_tensor_set_async(l.backend, l.g.slot_map, l.slot_map_host.data(), 0, l.slot_map_host.size() * sizeof(int32_t));
     if (r.hot_cold) {
-        l.cold_map_host.resize((size_t) n_tokens * l.n_expert);
-        for (int64_t tk = 0; tk < n_tokens; tk++) {
-            for (int32_t e = 0; e < l.n_expert; e++) {
-                l.cold_map_host[tk * l.n_expert + e] = pl.slot_of[e] < 0 ? e : -1;
-            }
+        l.cold_map_host.resize(l.n_expert);
+        for (int32_t e = 0; e < l.n_expert; e++) {
+            l.cold_map_host[e] = pl.slot_of[e] < 0 ? e : -1;
         }
         ggml_backend_tensor_set_async(l.backend, l.g.cold_map, l.cold_map_host.data(), 0,
                 l.cold_map_host.size() * sizeof(int32_t));

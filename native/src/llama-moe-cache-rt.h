@@ -4,7 +4,7 @@
 // llama-moe-cache.h decides which experts are resident; this part owns the device banks that hold them and moves
 // the bytes. For each MoE layer whose expert tensors stay on the host and whose other weights are on a GPU, the
 // context allocates, on that GPU, one bank per expert tensor ([ne0, ne1, n_slots], the tensor's type; per-expert
-// biases on the host get banks too) and a slot map ([1, n_expert, decode_max] I32).
+// biases on the host get banks too) and a slot map and a cold map ([1, n_expert] I32 each).
 //
 // Decode with a host-side plan: a graph of at most decode_max tokens (LLAMA_MOE_CACHE_DECODE_MAX, 1..8, default 8)
 // and at most the layer's vec_max (the most tokens for which its device's mul_mat_id of its types takes kernels whose
@@ -84,11 +84,11 @@ struct llama_moe_cache_graph_layer {
     // hold is not cached), and their banks ([ne0, ne1, n_slots] or [ne0, n_slots])
     const ggml_tensor * host[LLAMA_MOE_CACHE_N_TENSORS] = {};
     ggml_tensor *       bank[LLAMA_MOE_CACHE_N_TENSORS] = {};
-    // I32 [1, n_expert, rows]: the slot of each expert, one row per token, written by the plan; the graph
-    // takes slot ids = get_rows(slot_map, router ids), so the matmuls depend on the router's output (and keep it
-    // alive until the plan has read it). -1 where a hot/cold plan leaves the expert cold
+    // I32 [1, n_expert]: the slot of each expert, written by the plan; the graph takes slot ids =
+    // get_rows(slot_map, router ids), so the matmuls depend on the router's output (and keep it alive until the plan
+    // has read it). -1 where a hot/cold plan leaves the expert cold
     ggml_tensor * slot_map = nullptr;
-    // I32 [1, n_expert, rows], beside the slot map: a hot/cold plan's cold experts (e where cold, else -1), written
+    // I32 [1, n_expert], beside the slot map: a hot/cold plan's cold experts (e where cold, else -1), written
     // with it; the cold ids get_rows(cold_map, router ids) reach the CPU as its split's input, after the plan
     ggml_tensor * cold_map = nullptr;
 };
