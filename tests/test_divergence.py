@@ -115,9 +115,10 @@ def test_top1_agreement_lower_than_the_yardsticks_is_flagged():
 def test_the_matrix_has_the_divergence_cells_and_checks_their_options(tmp_path):
     m = load_matrix(CI_DIR / "matrix.toml")
     cells = {c.label: c for c in m.cells("divergence")}
-    assert set(cells) == {"divergence/sim-ncmoe-2", "control/sim-divergence-fault", "divergence/cuda-ncmoe-2"}
+    assert set(cells) == {"divergence/sim-ncmoe-2", "control/sim-divergence-fault", "divergence/cuda-ncmoe-2",
+                          "divergence/sim-hot-cold-cpu", "divergence/cuda-hot-cold-cpu"}
     assert {c.label for c in m.cells("ci") if c.expect.startswith("divergence")} == \
-        {"divergence/sim-ncmoe-2", "control/sim-divergence-fault"}
+        {"divergence/sim-ncmoe-2", "control/sim-divergence-fault", "divergence/sim-hot-cold-cpu"}
     fault = cells["control/sim-divergence-fault"]
     assert fault.expect == "divergence-flagged" and parse_fault(fault.fault) == {"layer": 2, "expert": 3, "eps": 0.05}
     assert fault.yardstick_placement() == {"cpu_moe": True} and fault.placement(baseline=True) == {}
@@ -174,10 +175,11 @@ def test_the_sim_cells_hold_and_the_planted_fault_is_flagged(master_build, patch
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     cells = {c["label"]: c for c in json.loads(out.read_text())["cells"]}
-    # the CUDA cell waits for a GPU; every other one ran on SIM
+    # the CUDA cells wait for a GPU; every other one ran on SIM
     if not shutil.which("nvidia-smi"):
-        assert cells.pop("divergence/cuda-ncmoe-2")["status"] == "deferred"
-    assert set(cells) == {"divergence/sim-ncmoe-2", "control/sim-divergence-fault"}
+        for label in ("divergence/cuda-ncmoe-2", "divergence/cuda-hot-cold-cpu"):
+            assert cells.pop(label)["status"] == "deferred"
+    assert set(cells) == {"divergence/sim-ncmoe-2", "control/sim-divergence-fault", "divergence/sim-hot-cold-cpu"}
     for label, cell in cells.items():
         assert cell["status"] == "pass", cell
         checks = {c["name"]: c for c in cell["checks"]}
@@ -186,9 +188,10 @@ def test_the_sim_cells_hold_and_the_planted_fault_is_flagged(master_build, patch
         # 600 prompt positions, 63 decode steps, 2 chunks of 1024 of which llama-perplexity scores 511 each
         assert detail["positions"] == {"prompt": 600, "decode": 63, "perplexity": 1022}
         assert detail["yardstick"]["max"] == 0.0 and detail["yardstick"]["top1"] == 1.0  # SIM: the CPU's kernels
-    clean = {c["name"]: c for c in cells["divergence/sim-ncmoe-2"]["checks"]}["divergence"]
-    assert clean["identical"] and clean["detail"]["candidate"]["max"] == 0.0
-    assert clean["detail"]["difference"] == {"mean": [0.0, 0.0], "p99": [0.0, 0.0], "top1": [0.0, 0.0]}
+    for label in ("divergence/sim-ncmoe-2", "divergence/sim-hot-cold-cpu"):
+        clean = {c["name"]: c for c in cells[label]["checks"]}["divergence"]
+        assert clean["identical"] and clean["detail"]["candidate"]["max"] == 0.0
+        assert clean["detail"]["difference"] == {"mean": [0.0, 0.0], "p99": [0.0, 0.0], "top1": [0.0, 0.0]}
     fault = {c["name"]: c for c in cells["control/sim-divergence-fault"]["checks"]}["divergence"]
     assert not fault["identical"] and {"mean", "p99"} <= set(fault["detail"]["flagged"])
     assert fault["detail"]["fault"]["rows_scaled"] > 0 and fault["detail"]["difference"]["mean"][0] > 0
