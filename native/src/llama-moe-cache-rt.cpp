@@ -54,10 +54,10 @@ struct rt_layer {
     int32_t vec_max = 8;
     // the weight type whose limit set vec_max below LLAMA_MOE_CACHE_DECODE_MAX (GGML_TYPE_COUNT: none did)
     ggml_type vec_type = GGML_TYPE_COUNT;
-    // the slot map rows of the last plan; an asynchronous upload reads them after the callback returns, and the next
-    // plan of the layer comes after the scheduler synchronized the device again (a later graph)
+    // the slot map of the last plan; an asynchronous upload reads it after the callback returns, and the next plan of
+    // the layer comes after the scheduler synchronized the device again (a later graph)
     std::vector<int32_t> slot_map_host;
-    std::vector<int32_t> cold_map_host; // ... and of the cold map of a hot/cold plan
+    std::vector<int32_t> cold_map_host; // ... and the cold map of a hot/cold plan
     // the prompt plan of the graph being computed (made at the layer's first fill of that graph), per expert: the
     // slot its staged bytes are read from (-1: uploaded from the host), and the slot they are admitted into (-1: none)
     uint64_t prompt_graph = 0;
@@ -349,9 +349,8 @@ static int32_t layer_n_tensors(const rt_layer & l) {
     return n;
 }
 
-// the slot map and the device lookup's state of one layer: what a cached layer takes besides its slots
-static size_t layer_overhead_bytes(const rt_layer & l, int32_t decode_max) {
-    GGML_UNUSED(decode_max);
+// the slot and cold maps and the device lookup's state of one layer: what a cached layer takes besides its slots
+static size_t layer_overhead_bytes(const rt_layer & l) {
     return 2 * (size_t) l.n_expert * sizeof(int32_t) +
            (size_t) ggml_moe_cache_tensor_size(l.n_expert, l.n_expert, lookup_max_ids(l.n_expert, l.n_used)) * sizeof(int32_t);
 }
@@ -369,7 +368,7 @@ llama_moe_cache_need llama_moe_cache_need_of(const llama_model & model, ggml_bac
         if (layer_unfit(model, il, l) != nullptr || l.dev != dev) {
             continue;
         }
-        const size_t overhead = layer_overhead_bytes(l, decode_max_tokens());
+        const size_t overhead = layer_overhead_bytes(l);
         const size_t eb       = layer_expert_bytes(l);
         need.n_layers++;
         need.n_expert_used = std::max(need.n_expert_used, l.n_used);
@@ -678,7 +677,7 @@ llama_moe_cache_rt * llama_moe_cache_ctx_init(const llama_model & model, const s
                 }
             }
             GGML_ASSERT(l.backend != nullptr && "the device of a layer has a backend in the context");
-            const size_t overhead = layer_overhead_bytes(l, rt->decode_max);
+            const size_t overhead = layer_overhead_bytes(l);
             descs[i] = { l.il, (int32_t) l.g.host[LLAMA_MOE_CACHE_DOWN]->ne[2], layer_expert_bytes(l), overhead, layer_n_tensors(l) };
             idx.push_back(i);
             dd.push_back(descs[i]);

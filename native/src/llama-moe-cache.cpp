@@ -316,14 +316,17 @@ bool llama_moe_cache::plan_decode(int32_t il, const int32_t * ids, int64_t n_tok
     st.n_ubatches++;
 
     // without cold misses the graph reads the banks only where every expert fits the slots: more distinct experts
-    // than slots take the staging path here (a hot/cold plan computes the rest cold instead)
-    std::vector<int32_t> & distinct = scratch;
-    distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
-    if (!cold && (int64_t) distinct.size() > l.n_slots) {
-        out.overflow   = true;
-        out.n_distinct = (int32_t) distinct.size();
-        count_staging(l, distinct, st);
-        return false;
+    // than slots take the staging path here (a hot/cold plan computes the rest cold instead). Counted only where the
+    // routed ids outnumber the slots, which a graph of the banks alone never does
+    if (!cold && n_tokens * n_used > l.n_slots) {
+        std::vector<int32_t> & distinct = scratch;
+        distinct_experts(l, ids, n_tokens, n_used, stride, distinct);
+        if ((int64_t) distinct.size() > l.n_slots) {
+            out.overflow   = true;
+            out.n_distinct = (int32_t) distinct.size();
+            count_staging(l, distinct, st);
+            return false;
+        }
     }
 
     // the lookup the device runs (ggml-moe-cache-lookup.h): the plan depends on the routing only, never on addresses
