@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ggml_program import compile_program
+from llama_tools import completion
 from pyllama_moe.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.build
@@ -163,12 +164,7 @@ PROMPT = " ".join(f"w{(k * 37) % 97}" for k in range(40))
 
 
 def _complete(build, model, *args: str, **env: str) -> subprocess.CompletedProcess:
-    prefixes = ("GGML_SIM_", "GGML_SCHED_", "LLAMA_ARG_", "LLAMA_MOE_")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    return subprocess.run([str(build.bin_dir / "llama-completion"), "-m", str(model), "-ngl", "99", "-ncmoe", "2", "-p",
-                           PROMPT, "-n", "12", "--temp", "0", "-t", "2", "--fit", "off", "-no-cnv", "--no-warmup", "-v",
-                           *args],
-                          capture_output=True, text=True, timeout=300, env={**clean, "GGML_SIM_DEVICES": "1", **env})
+    return completion(build, model, PROMPT, "-ncmoe", "2", "-n", "12", *args, env={"GGML_SIM_DEVICES": "1", **env})
 
 
 def test_the_flag_and_its_environment_variable_turn_the_worker_on_with_the_same_text(patched_build, tiny_model):

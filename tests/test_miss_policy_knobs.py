@@ -6,24 +6,19 @@ bad one be refused in one line. What a policy computes is the hot/cold tests' bu
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from llama_tools import clean_env, completion
 from pyllama_moe.arguments import MISS_CPU, MISS_SPLIT, MISS_UPLOAD, parse_miss_policy
 from pyllama_moe.paths import PROJECT_ROOT
 
 SIM = {"GGML_SIM_DEVICES": "1"}
 PROMPT = " ".join(f"w{(k * 37) % 97}" for k in range(40))
 REFUSED = "expected upload, cpu or split:N (N 1..4096)"  # the C tools' line
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    prefixes = ("GGML_SIM_", "GGML_SCHED_", "LLAMA_ARG_", "LLAMA_MOE_", "LLAMA_CPP_LIB")
-    return {**{k: v for k, v in os.environ.items() if not k.startswith(prefixes)}, **extra}
 
 
 # ---- the spelling, without a build -----------------------------------------------------------------------------
@@ -69,7 +64,7 @@ def tiny_file(tmp_path_factory) -> Path:
 ])
 def test_the_cli_refuses_a_bad_policy_in_one_line_before_any_work(tiny_file, tmp_path, argv, flag):
     home = tmp_path / "home"
-    env = {**_clean_env(), "PYLLAMA_MOE_HOME": str(home), "PYTHONPATH": str(PROJECT_ROOT)}
+    env = {**clean_env(), "PYLLAMA_MOE_HOME": str(home), "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.run([sys.executable, "-m", "pyllama_moe", *(a.format(model=tiny_file) for a in argv)],
                           capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -104,10 +99,7 @@ def test_run_hands_the_policy_to_the_worker_and_prints_the_cold_misses(tiny_file
 # ---- through the patched build, on SIM ---------------------------------------------------------------------------
 
 def _complete(build, model, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(build.bin_dir / "llama-completion"), "-m", str(model), "-ngl", "99", "-ncmoe", "4",
-                           "--moe-cache-mib", "2", "-p", PROMPT, "-n", "8", "--temp", "0", "-t", "2", "--fit", "off",
-                           "-no-cnv", "--no-warmup", "-v", *args],
-                          capture_output=True, text=True, timeout=300, env=_clean_env(**SIM, **env))
+    return completion(build, model, PROMPT, "-ncmoe", "4", "--moe-cache-mib", "2", "-n", "8", *args, env={**SIM, **env})
 
 
 @pytest.mark.build
@@ -129,7 +121,7 @@ def test_the_flag_and_its_environment_variable_set_the_policy_and_bad_ones_are_r
 def _bench(build, model, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(build.tool("llama-bench")), "-m", str(model), "-p", "0", "-n", "8", "-r", "2", "-t", "2",
                            "-ngl", "99", "-ncmoe", "4", "-mcm", "2", *args],
-                          capture_output=True, text=True, timeout=300, env=_clean_env(**SIM))
+                          capture_output=True, text=True, timeout=300, env=clean_env(**SIM))
 
 
 @pytest.mark.build
@@ -183,7 +175,7 @@ print(json.dumps({"context": [kind, n[0]], "default_after": llm._default_miss_po
 @pytest.mark.build
 def test_moe_llama_sets_the_policy_of_its_context_and_reports_the_cold_misses(patched_build, tiny_model):
     proc = subprocess.run([sys.executable, "-c", POLICY_SCRIPT, str(tiny_model)], capture_output=True, text=True,
-                          env=_clean_env(**SIM), timeout=300)
+                          env=clean_env(**SIM), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["context"] == [MISS_SPLIT, 2]
