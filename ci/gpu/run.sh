@@ -15,6 +15,7 @@ here=$(dirname "$0")
 steps() { # name, then SCRIPT STEP or :FUNCTION, then the description
     cat <<'EOF'
 build               prefetch.sh build         master and patched CUDA builds (default targets, detached) and the 30B bench model
+build-skew          :build_skew               master and patched CUDA builds (default targets, detached) and the skew 0.5 model
 build-patched       :build_patched            the patched CUDA build alone (-j 16) and the skew 0.5 model; later steps wait for it alone
 identity            prefetch.sh identity      identity cells of subsets gpu and gpu-variants against master, host syncs per token
 sanitizer           prefetch.sh sanitizer     compute-sanitizer memcheck over a prefetched prompt, debug poison off and on
@@ -42,6 +43,7 @@ async-power         async-cpu.sh power        the divergence contract's power on
 hot-cold-ops        hot-cold.sh ops           the lookup's policy cases, the fills and the masked ids on CUDA0, then under memcheck
 hot-cold-policy     hot-cold.sh policy        tg128: each miss policy against upload at a quarter and half cache; -sac 1 against 0 under cpu
 hot-cold-master     hot-cold.sh master        tg128: the cache with POLICY (default cpu) against master -cmoe, per budget
+hot-cold-targets    hot-cold.sh targets       the miss policies' judged rows in short rounds: pageable and pinned, decode and 8-16 token graphs
 hot-cold-parallel   hot-cold.sh parallel      graphs of 4-16 tokens under upload and cpu against master -cmoe, per budget
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
 masked-ids          device-lookup.sh masked-ids  test-backend-ops of MUL_MAT_ID/ADD_ID with ids of -1 on CUDA0 (each kernel, fusions), under memcheck
@@ -73,6 +75,13 @@ soak-memcheck       server-soak.sh memcheck   the same under compute-sanitizer m
 readme-quickstart   readme.sh quickstart     the README's GPU quick start as written (its build from the patched archive)
 readme-python       readme.sh python         the README's Python example, in the quick start's folder
 EOF
+}
+
+build_skew() { # both builds while the skew 0.5 model (the hot/cold and cache steps' model) is written
+    start_builds
+    skew_model > /dev/null || { echo "the skew 0.5 model was not written"; return 1; }
+    echo "== skew 0.5 model written ($((SECONDS - T0)) s)"
+    wait_builds ${BUILD_WAIT_S:-560}
 }
 
 build_patched() { # later steps of this run.sh wait for the patched build alone (another call: BUILD_VARIANTS=patched)
