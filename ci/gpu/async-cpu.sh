@@ -55,7 +55,7 @@ overlap)
         --layers 16 --type q4_0 --seed 5 -o "$G" --quiet < /dev/null || { echo "synth of $G failed"; exit 1; }
     BENCH_MODEL=$G bench 180 --baseline patched --candidate patched --baseline-env GGML_SCHED_ASYNC_CPU=0 \
         --candidate-env GGML_SCHED_ASYNC_CPU=1 --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds 150 \
-        --json "$OUT/async-overlap.json" -- -p 0 -n 128 -ngl 99 -cmoe -lm none 2>&1 | tee "$OUT/async-overlap.txt"
+        --json "$OUT/async-overlap.json" -- -p 0 -n 128 -ngl 99 -ncmoe 48 -lm none 2>&1 | tee "$OUT/async-overlap.txt"
     ;;
 power)
     wait_builds 600 || exit 1

@@ -28,14 +28,14 @@ policy_bench() { # $1: seconds, $2: budget MiB, $3: baseline policy, $4: candida
         --baseline-env LLAMA_MOE_MISS_POLICY=$base --baseline-env GGML_SCHED_ASYNC_CPU=${sac[0]} \
         --candidate-env LLAMA_MOE_MISS_POLICY=$cand --candidate-env GGML_SCHED_ASYNC_CPU=${sac[1]:-${sac[0]}} \
         -mcm "$mcm" --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds $((limit - 30)) \
-        --json "$OUT/$name.json" -- -ngl 99 -cmoe -lm none "$@" 2>&1 | tee "$OUT/$name.txt"
+        --json "$OUT/$name.json" -- -ngl 99 -ncmoe 48 -lm none "$@" 2>&1 | tee "$OUT/$name.txt"
 }
 
 master_bench() { # $1: budget MiB, $2: policy, $3: a name, then llama-bench args
     local mcm=$1 p=$2 name=$3; shift 3
     BENCH_MODEL=$M bench 200 --baseline master --candidate patched --candidate-env LLAMA_MOE_MISS_POLICY=$p -mcm "$mcm" \
         --pin-threads --reps 3 --discard 1 --rounds 4 --max-seconds 170 --json "$OUT/$name.json" \
-        -- -ngl 99 -cmoe -lm none "$@" 2>&1 | tee "$OUT/$name.txt"
+        -- -ngl 99 -ncmoe 48 -lm none "$@" 2>&1 | tee "$OUT/$name.txt"
 }
 
 case $step in
@@ -80,7 +80,7 @@ targets)
         echo "== $name: $base against $cand, -mcm $mcm, $pin experts (-lm $lm)"
         BENCH_MODEL=$M bench "$limit" "${args[@]}" -mcm "$mcm" --pin-threads --reps 3 --discard 1 --rounds 3 \
             --warmup-rounds 0 --max-seconds $((limit - 20)) --json "$OUT/$name.json" \
-            -- -ngl 99 -cmoe -lm $lm "$@" 2>&1 | tee "$OUT/$name.txt" | grep -E '^\|' | tail -4
+            -- -ngl 99 -ncmoe 48 -lm $lm "$@" 2>&1 | tee "$OUT/$name.txt" | grep -E '^\|' | tail -4
     }
     row page-master-cpu-3900 170 master cpu 3900 pageable -p 0 -n 128
     row page-upload-cpu-3900 200 upload cpu 3900 pageable -p 0 -n 128

@@ -45,6 +45,10 @@ hot-cold-policy     hot-cold.sh policy        tg128: each miss policy against up
 hot-cold-master     hot-cold.sh master        tg128: the cache with POLICY (default cpu) against master -cmoe, per budget
 hot-cold-targets    hot-cold.sh targets       the miss policies' judged rows in short rounds: pageable and pinned, decode and 8-16 token graphs
 hot-cold-parallel   hot-cold.sh parallel      graphs of 4-16 tokens under upload and cpu against master -cmoe, per budget
+layer-major-pp32k   layer-major.sh pp32k      pp32768 ub 512 and 2048, experts on the host: layer-major against ubatch order and all on the GPU
+layer-major-pp4k    layer-major.sh pp4k       pp4096 ub 512 and 2048: the same
+layer-major-pageable layer-major.sh pageable  pp32768 ub 2048 with pageable experts: the same
+layer-major-short   layer-major.sh short      pp512 and tg128 (one ubatch, decode): layer-major on against off
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
 masked-ids          device-lookup.sh masked-ids  test-backend-ops of MUL_MAT_ID/ADD_ID with ids of -1 on CUDA0 (each kernel, fusions), under memcheck
 lookup-syncs        device-lookup.sh syncs    host syncs per token: cache on the device, host-side plan, all on the GPU

@@ -81,6 +81,25 @@ LLAMA_MOE_API int32_t llama_moe_default_get_sched_async_cpu(void);
 LLAMA_MOE_API void    llama_moe_set_sched_async_cpu(struct llama_context * ctx, int32_t on);
 LLAMA_MOE_API int32_t llama_moe_get_sched_async_cpu(const struct llama_context * ctx);
 
+// --- layer-major prompts ---
+// A decode call of at least LLAMA_LAYER_MAJOR_MIN_UBATCHES ubatches (default 2) whose layers read host weights (the
+// experts of --cpu-moe, -ncmoe) is computed layer group by layer group: each group runs every ubatch of the call in
+// order, and its host weights are uploaded once for the call, not once per ubatch. Logits, the KV cache and what
+// later calls see are the same bytes as in ubatch order. Groups hold as many layers as the staging budget per device
+// allows (the set budget, else half the device's free memory beyond the prefetch headroom, when the context first
+// plans). Off for calls with an eval callback, embeddings, recurrent or hybrid memory, and (for now) the expert cache,
+// said once per context. Precedence: per-context setter > process default (set below, or --layer-major-prompt) >
+// LLAMA_LAYER_MAJOR_PROMPT > on. Process default: 0 off, 1 on, -1 unsets it. Per context: 0 or 1; -1 takes the
+// process default again.
+LLAMA_MOE_API void    llama_moe_default_set_layer_major_prompt(int32_t on);
+LLAMA_MOE_API int32_t llama_moe_default_get_layer_major_prompt(void);
+LLAMA_MOE_API void    llama_moe_set_layer_major_prompt(struct llama_context * ctx, int32_t on);
+LLAMA_MOE_API int32_t llama_moe_get_layer_major_prompt(const struct llama_context * ctx);
+// The staging budget of a layer group per device in MiB, read when a context first plans its groups: > 0 sets it,
+// 0 auto, -1 unsets it (then LLAMA_LAYER_MAJOR_STAGING_MIB, then auto). The getter returns the value in effect.
+LLAMA_MOE_API void    llama_moe_default_set_layer_major_staging_mib(int64_t mib);
+LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_staging_mib(void);
+
 // --- statistics ---
 // Counters of the context's scheduler since it was last reserved or the stats were reset.
 struct llama_moe_stats {
@@ -93,6 +112,10 @@ struct llama_moe_stats {
     uint64_t prefetch_upload_bytes; // bytes of those uploads
     uint64_t n_async_cpu_splits;    // CPU splits computed on the worker thread (asynchronous CPU splits)
     uint64_t n_async_cpu_joins_waited; // ... joins that found the worker still computing, so the caller waited
+    uint64_t prefetch_kept_bytes;   // weight-copy bytes found in the staging arena and not uploaded again
+    uint64_t n_layer_major_calls;   // decode calls computed layer-major (since the context was made)
+    uint64_t layer_major_upload_bytes;      // host-weight bytes those calls uploaded
+    uint64_t layer_major_last_upload_bytes; // ... the last of them
 };
 
 LLAMA_MOE_API void llama_moe_get_stats  (const struct llama_context * ctx, struct llama_moe_stats * stats);

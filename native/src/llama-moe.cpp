@@ -158,6 +158,27 @@ void llama_moe_get_stats(const llama_context * ctx, llama_moe_stats * stats) {
     stats->prefetch_upload_bytes = s.prefetch_upload_bytes;
     stats->n_async_cpu_splits    = s.n_async_cpu_splits;
     stats->n_async_cpu_joins_waited = s.n_async_cpu_joins_waited;
+    stats->prefetch_kept_bytes   = s.prefetch_kept_bytes;
+    const llama_moe_layer_major & lm = ctx->get_layer_major();
+    stats->n_layer_major_calls           = lm.n_calls;
+    stats->layer_major_upload_bytes      = lm.upload_bytes;
+    stats->layer_major_last_upload_bytes = lm.last_upload_bytes;
+}
+
+//
+// layer-major prompts (the process defaults are in llama-moe-layer-major.cpp)
+//
+
+void llama_moe_set_layer_major_prompt(llama_context * ctx, int32_t on) {
+    if (on > 1 || on < -1) {
+        LLAMA_LOG_ERROR("llama_moe: layer-major prompts %d is not one of 0, 1 (-1: the default); left as it was\n", on);
+        return;
+    }
+    ctx->get_layer_major().on = on >= 0 ? on != 0 : llama_moe_layer_major_context_default();
+}
+
+int32_t llama_moe_get_layer_major_prompt(const llama_context * ctx) {
+    return ctx->get_layer_major().on ? 1 : 0;
 }
 
 //

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Layer-major prompts (docs/layer-major.md) on the GPU machine. Prepare on the CPU machine as prefetch.sh says; after
+# `run.sh build-skew` (or build-patched) run.sh names them layer-major-STEP. The model is the 30B-A3B shape (Q4_0,
+# routing skew 0.5), -b equal to the prompt; each bench interleaves the patched build in ubatch order
+# (LLAMA_LAYER_MAJOR_PROMPT=0) with itself layer-major (=1), and each row's share of the all-on-the-GPU row
+# (-ncmoe 0) of the same build and ubatch:
+#   pp32k     pp32768 at ub 512 and 2048, every expert on the host (-ncmoe 48), pinned (-lm none)
+#   pp4k      pp4096 at ub 512 and 2048, the same placements
+#   pageable  pp32768 at ub 2048 with pageable experts (LLAMA_MOE_PIN_EXPERTS=0, -lm mmap)
+#   short     pp512 and tg128 (one ubatch, decode): unchanged
+# ROUNDS (2) sets the rounds of each bench.
+set -uo pipefail
+step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|short}
+. "$(dirname "$0")/common.sh"
+ROUNDS=${ROUNDS:-2}
+
+order_bench() { # $1: seconds, $2: a name, then more pyllama-moe bench arguments up to --, then llama-bench's
+    local limit=$1 name=$2; shift 2
+    BENCH_MODEL=$M bench "$limit" --baseline patched --candidate patched \
+        --baseline-env LLAMA_LAYER_MAJOR_PROMPT=0 --candidate-env LLAMA_LAYER_MAJOR_PROMPT=1 \
+        --limit-row n_cpu_moe=0 --pin-threads --rounds "$ROUNDS" --warmup-rounds 0 --max-seconds $((limit - 30)) \
+        --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt"
+}
+
+wait_builds 600 || exit 1
+M=$(skew_model) || exit 1
+case $step in
+pp32k)
+    order_bench 360 layer-major-pp32k --reps 1 --discard 0 \
+        -- -p 32768 -n 0 -b 32768 -ub 512,2048 -ngl 99 -ncmoe 0,48 -lm none
+    ;;
+pp4k)
+    order_bench 240 layer-major-pp4k --reps 3 --discard 1 \
+        -- -p 4096 -n 0 -b 4096 -ub 512,2048 -ngl 99 -ncmoe 0,48 -lm none
+    ;;
+pageable)
+    order_bench 300 layer-major-pageable --reps 1 --discard 0 \
+        --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
+        -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -lm mmap
+    ;;
+short)
+    order_bench 200 layer-major-short --reps 3 --discard 1 -- -p 512 -n 128 -ngl 99 -ncmoe 48 -lm none
+    ;;
+*)
+    echo "layer-major.sh: unknown step $step"; exit 2 ;;
+esac

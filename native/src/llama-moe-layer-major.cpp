@@ -1,0 +1,255 @@
+// llama-moe-layer-major.cpp: which calls are computed layer-major, and in which layer groups (docs/layer-major.md)
+#include "llama-moe-layer-major.h"
+#include "llama-moe-impl.h"
+#include "llama-moe.h"
+
+#include "llama-cparams.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+
+static std::atomic<int32_t> g_layer_major{-1};      // process default, -1: unset
+static std::atomic<int64_t> g_layer_major_mib{-1};  // process default staging budget in MiB, -1: unset
+
+bool llama_moe_layer_major_context_default() {
+    const int32_t set = g_layer_major.load();
+    if (set >= 0) {
+        return set != 0;
+    }
+    static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_PROMPT", 0, 1);
+    return env != 0;
+}
+
+// the staging budget of a layer group per device in bytes, 0: auto
+static size_t layer_major_staging_bytes() {
+    int64_t mib = g_layer_major_mib.load();
+    if (mib < 0) {
+        static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_STAGING_MIB", 0, INT32_MAX);
+        mib = env;
+    }
+    return mib > 0 ? (size_t) mib * 1024 * 1024 : 0;
+}
+
+// the fewest ubatches a call has for layer-major order (a call of one ubatch uploads each weight once anyway)
+static int64_t layer_major_min_ubatches() {
+    static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_MIN_UBATCHES", 2, INT32_MAX);
+    return env > 0 ? env : 2;
+}
+
+// LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=N: groups of N layers whatever the host weights, the budget and the prefetch
+// (tests: layer-major order on a CPU-only build, and group boundaries anywhere)
+static int64_t layer_major_debug_group_layers() {
+    static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS", 1, INT32_MAX);
+    return env > 0 ? env : 0;
+}
+
+void llama_moe_layer_major_say(llama_moe_layer_major & lm, const std::string & why) {
+    if (lm.said.insert(why).second) {
+        LLAMA_LOG_INFO("llama_moe: layer-major prompts: %s\n", why.c_str());
+    }
+}
+
+// the architectures whose graph can be built for a range of layers (llm_graph_context::il_begin)
+static bool layer_major_arch_ok(llm_arch arch) {
+    switch (arch) {
+        case LLM_ARCH_QWEN2MOE:
+        case LLM_ARCH_QWEN3MOE:
+        case LLM_ARCH_OPENAI_MOE:
+            return true;
+        default:
+            return false;
+    }
+}
+
+// the bytes of each layer's weights in host memory that the layer's device reads (uploads), by layer
+static std::vector<size_t> layer_host_bytes(const llama_model & model) {
+    const int32_t n_layer = (int32_t) model.hparams.n_layer();
+    std::vector<size_t> bytes(n_layer, 0);
+    for (const auto & [name, t] : model.tensors_by_name) {
+        int il = -1;
+        if (sscanf(name.c_str(), "blk.%d.", &il) != 1 || il < 0 || il >= n_layer) {
+            continue;
+        }
+        // a repacked CPU weight has no layout a device reads: the CPU computes it
+        if (t->buffer == nullptr || t->extra != nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
+            continue;
+        }
+        ggml_backend_dev_t dev = model.dev_layer(il);
+        if (dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            continue;
+        }
+        bytes[il] += ggml_nbytes(t);
+    }
+    return bytes;
+}
+
+// groups of consecutive layers whose host bytes on each device stay within that device's budget; *why where a layer
+// alone exceeds it (then no groups)
+static llama_moe_layer_groups plan_groups(const llama_model & model, const std::vector<size_t> & bytes,
+        const std::map<ggml_backend_dev_t, size_t> & budget, std::string & why) {
+    llama_moe_layer_groups groups;
+    std::map<ggml_backend_dev_t, size_t> used;
+    int32_t begin = 0;
+    for (int32_t il = 0; il < (int32_t) bytes.size(); il++) {
+        ggml_backend_dev_t dev = model.dev_layer(il);
+        if (bytes[il] == 0) {
+            continue;
+        }
+        const size_t limit = budget.at(dev);
+        if (bytes[il] > limit) {
+            char buf[256];
+            snprintf(buf, sizeof(buf), "layer %d alone has %.1f MiB of host weights, more than the staging budget of "
+                     "%.1f MiB on %s: prompts run ubatch by ubatch (LLAMA_LAYER_MAJOR_STAGING_MIB sets the budget)",
+                     il, bytes[il]/1024.0/1024.0, limit/1024.0/1024.0, ggml_backend_dev_name(dev));
+            why = buf;
+            return {};
+        }
+        if (used[dev] + bytes[il] > limit) {
+            groups.emplace_back(begin, il);
+            begin = il;
+            used.clear();
+        }
+        used[dev] += bytes[il];
+    }
+    groups.emplace_back(begin, (int32_t) bytes.size());
+    return groups;
+}
+
+// the plan of a context, made once: the groups, or why there are none
+static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_backend_sched_t sched,
+        const llama_cparams & cparams) {
+    lm.planned = true;
+    const int32_t n_layer = (int32_t) model.hparams.n_layer();
+    if (!layer_major_arch_ok(model.arch)) {
+        lm.why_plan = std::string("the ") + llm_arch_name(model.arch) + " graph is built for all its layers at once";
+        return;
+    }
+    if (const int64_t n = layer_major_debug_group_layers(); n > 0) {
+        for (int32_t il = 0; il < n_layer; il += (int32_t) n) {
+            lm.groups.emplace_back(il, std::min<int32_t>(n_layer, il + (int32_t) n));
+        }
+        LLAMA_LOG_WARN("llama_moe: layer-major prompts: LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=%" PRId64 ": %zu groups of "
+                       "up to %" PRId64 " layers (a test setting)\n", n, lm.groups.size(), n);
+        return;
+    }
+    if (!cparams.op_offload || cparams.prefetch.mode == GGML_BACKEND_SCHED_PREFETCH_OFF) {
+        return; // the host weights are computed where they are, or uploaded at split time: nothing to keep
+    }
+    const std::vector<size_t> bytes = layer_host_bytes(model);
+    std::map<ggml_backend_dev_t, size_t> total;
+    for (int32_t il = 0; il < n_layer; il++) {
+        if (bytes[il] > 0) {
+            total[model.dev_layer(il)] += bytes[il];
+        }
+    }
+    if (total.empty()) {
+        return; // no device reads host weights
+    }
+    // each device's budget: the one set, else half of what its memory has free beyond the prefetch's headroom (the
+    // other half stays for the rest of the context's life), at most all its host weights
+    std::map<ggml_backend_dev_t, size_t> budget;
+    const size_t set = layer_major_staging_bytes();
+    for (const auto & [dev, sum] : total) {
+        bool prefetch = false;
+        for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
+            ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
+            if (ggml_backend_get_device(backend) == dev) {
+                prefetch = ggml_backend_sched_prefetch_enabled(sched, backend);
+            }
+        }
+        if (!prefetch) {
+            lm.why_plan = std::string("the host-weight prefetch is off on ") + ggml_backend_dev_name(dev) +
+                          ", so its uploads cannot be kept across ubatches";
+            return;
+        }
+        size_t room = set;
+        if (room == 0) {
+            size_t free = 0, all = 0;
+            ggml_backend_dev_memory(dev, &free, &all);
+            room = free > cparams.prefetch.headroom ? (free - cparams.prefetch.headroom) / 2 : 0;
+        }
+        budget[dev] = std::min(room, sum);
+    }
+    lm.groups = plan_groups(model, bytes, budget, lm.why_plan);
+    if (lm.groups.empty()) {
+        return;
+    }
+    std::string devs;
+    for (const auto & [dev, b] : budget) {
+        char buf[160];
+        snprintf(buf, sizeof(buf), "%s%s %.1f of %.1f MiB", devs.empty() ? "" : ", ", ggml_backend_dev_name(dev),
+                 b/1024.0/1024.0, total[dev]/1024.0/1024.0);
+        devs += buf;
+    }
+    LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers; staging per device (of its host "
+                   "weights): %s%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
+                   lm.groups.size() == 1 ? "" : "s", n_layer, devs.c_str(), set > 0 ? " (set)" : " (auto: half the free memory)",
+                   layer_major_min_ubatches());
+}
+
+llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, const llama_model & model,
+        ggml_backend_sched_t sched, const llama_cparams & cparams, uint32_t n_tokens, bool can_rewind) {
+    if (!lm.on || (int64_t) n_tokens <= (int64_t) cparams.n_ubatch * (layer_major_min_ubatches() - 1)) {
+        return {};
+    }
+    if (layer_major_debug_group_layers() == 0 && (int64_t) cparams.n_ubatch < (int64_t) cparams.prefetch.min_batch) {
+        return {}; // ubatches this small copy their routed experts at split time: nothing is uploaded ahead to keep
+    }
+    if (!lm.planned) {
+        plan(lm, model, sched, cparams);
+    }
+    if (lm.groups.empty()) {
+        if (!lm.why_plan.empty()) {
+            llama_moe_layer_major_say(lm, lm.why_plan);
+        }
+        return {};
+    }
+    const char * why = nullptr;
+    if (cparams.cb_eval != nullptr) {
+        why = "an eval callback is set (it sees each ubatch's layers in order): such calls run ubatch by ubatch";
+    } else if (cparams.embeddings) {
+        why = "embeddings calls run ubatch by ubatch";
+    } else if (!can_rewind) {
+        why = "the memory (recurrent or hybrid) cannot run a call's ubatches again for each layer group: calls run ubatch by ubatch";
+    } else if (cparams.moe_cache != nullptr) {
+        why = "the expert cache is on (its prompt path runs per ubatch): calls run ubatch by ubatch";
+    }
+    if (why != nullptr) {
+        llama_moe_layer_major_say(lm, why);
+        return {};
+    }
+    return lm.groups;
+}
+
+void llama_moe_default_set_layer_major_prompt(int32_t on) {
+    if (on > 1 || on < -1) {
+        LLAMA_LOG_ERROR("llama_moe: layer-major prompts %d is not one of 0, 1 (-1 unsets); left as it was\n", on);
+        return;
+    }
+    g_layer_major.store(on);
+}
+
+int32_t llama_moe_default_get_layer_major_prompt(void) {
+    return llama_moe_layer_major_context_default() ? 1 : 0;
+}
+
+void llama_moe_default_set_layer_major_staging_mib(int64_t mib) {
+    if (mib < -1 || mib > INT32_MAX) {
+        LLAMA_LOG_ERROR("llama_moe: layer-major staging %" PRId64 " MiB is out of range (0: auto, -1 unsets); left as it was\n", mib);
+        return;
+    }
+    g_layer_major_mib.store(mib);
+}
+
+int64_t llama_moe_default_get_layer_major_staging_mib(void) {
+    int64_t mib = g_layer_major_mib.load();
+    if (mib < 0) {
+        mib = (int64_t) (layer_major_staging_bytes() / 1024 / 1024);
+    }
+    return mib;
+}

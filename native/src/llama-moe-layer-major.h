@@ -1,0 +1,53 @@
+// llama-moe-layer-major.h: layer-major prompts (docs/layer-major.md). A decode call of several ubatches whose layers
+// read host weights computes layer group by layer group: each group runs every ubatch of the call in order, so the
+// group's host weights are uploaded once (kept in the scheduler's staging arena, ggml_backend_sched_set_prefetch_keep)
+// instead of once per ubatch. The hidden states of all the call's tokens wait between groups in host memory.
+#pragma once
+
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+struct llama_model;
+struct llama_cparams;
+
+using llama_moe_layer_groups = std::vector<std::pair<int32_t, int32_t>>; // [il_begin, il_end) per group, in order
+
+struct llama_moe_layer_major {
+    bool on = true; // the context's setting (llama_moe_set_layer_major_prompt)
+
+    // the plan of the model's layers into groups, made on the first call that may take it and kept
+    bool                   planned = false;
+    llama_moe_layer_groups groups;     // empty: every call runs ubatch by ubatch
+    std::string            why_plan;   // why the plan is empty (said once; "" when there is nothing to upload)
+    std::set<std::string>  said;       // the reasons already logged by this context
+
+    // the call in progress: the layers the next graph builds, and the boundary rows it reads
+    int32_t            il_begin = 0;
+    int32_t            il_end   = -1;  // -1: to the last layer
+    std::vector<float> hidden;         // [n_tokens_call][n_embd]: each token's hidden state after the last group run
+    const float *      rows = nullptr; // the current ubatch's rows in `hidden`
+
+    // counters since the context was made or its stats were reset
+    uint64_t n_calls           = 0;    // calls computed layer-major
+    uint64_t upload_bytes      = 0;    // host-weight bytes those calls uploaded
+    uint64_t kept_bytes        = 0;    // bytes they found in the staging arena instead of uploading again
+    uint64_t last_upload_bytes = 0;    // ... uploaded by the last such call
+};
+
+// whether a new context computes long prompts layer-major: process default (llama-moe.h setter or
+// --layer-major-prompt), else LLAMA_LAYER_MAJOR_PROMPT, else on
+bool llama_moe_layer_major_context_default();
+
+// the layer groups a decode call of n_tokens runs in, or none (the call runs ubatch by ubatch). Says once per context
+// and reason why a call that could have been computed layer-major is not. can_rewind: the memory can run the call's
+// ubatches again (llama_memory_context_i::can_rewind)
+llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, const llama_model & model,
+        ggml_backend_sched_t sched, const llama_cparams & cparams, uint32_t n_tokens, bool can_rewind);
+
+// say once per context (at warning level) why a call that took layer-major order gave it up
+void llama_moe_layer_major_say(llama_moe_layer_major & lm, const std::string & why);
