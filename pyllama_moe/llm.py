@@ -72,7 +72,8 @@ def _model_params_with(overrides):
 
 def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int = 0, moe_cache_mib: int | None = None,
               moe_cache_seed: bool | None = None, moe_cache_profile: str | Path | None = None,
-              sched_async_cpu: bool | None = None, moe_miss_policy: str | None = None, **llama_kwargs):
+              sched_async_cpu: bool | None = None, moe_miss_policy: str | None = None,
+              layer_major_prompt: bool | None = None, **llama_kwargs):
     """A `llama_cpp.Llama` whose expert tensors stay on the host (every layer's with cpu_moe, the first n_cpu_moe
     layers' otherwise) and whose context has an expert cache of moe_cache_mib MiB per GPU (None: the process
     default, LLAMA_MOE_CACHE_MIB), seeded at a prompt's end unless moe_cache_seed is False (None: the process
@@ -82,8 +83,10 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
     True (None: the process default, GGML_SCHED_ASYNC_CPU, off; docs/async-cpu.md), and whose cache's decode steps
     follow the miss policy moe_miss_policy ("upload" every miss; "cpu": no uploads, the misses computed on the CPU
     beside the GPU's hits; "split:N": at most N uploads a layer step, the rest on the CPU; None: the process default,
-    LLAMA_MOE_MISS_POLICY, upload; docs/hot-cold.md). Other keywords go to `Llama`. Needs `use_build` first; a miss
-    policy that is none of these is a ValueError."""
+    LLAMA_MOE_MISS_POLICY, upload; docs/hot-cold.md), and that computes a prompt of several ubatches layer group by
+    layer group unless layer_major_prompt is False (None: the process default, LLAMA_LAYER_MAJOR_PROMPT, on;
+    docs/layer-major.md). Other keywords go to `Llama`. Needs `use_build` first; a miss policy that is none of these is
+    a ValueError."""
     policy = None if moe_miss_policy is None else parse_miss_policy(moe_miss_policy)
     if moe_miss_policy is not None and policy is None:  # before anything is imported or loaded
         raise ValueError(f"moe_miss_policy={moe_miss_policy!r} is not a miss policy: give {MISS_POLICY_RULE}")
@@ -103,6 +106,8 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
         raise UserError(f"the {moe.build.variant} build has no expert cache profiles", "use_build('patched', ...)")
     if sched_async_cpu is not None and "llama_moe_set_sched_async_cpu" not in dir(moe):
         raise UserError(f"the {moe.build.variant} build has no asynchronous CPU splits", "use_build('patched', ...)")
+    if layer_major_prompt is not None and "llama_moe_set_layer_major_prompt" not in dir(moe):
+        raise UserError(f"the {moe.build.variant} build has no layer-major prompts", "use_build('patched', ...)")
     if policy is not None and "llama_moe_default_set_moe_miss_policy" not in dir(moe):
         raise UserError(f"the {moe.build.variant} build has no miss policy", "use_build('patched', ...)")
     if moe_cache_mib and moe.build.backend == "cpu" and not os.environ.get("GGML_SIM_DEVICES"):
@@ -139,6 +144,8 @@ def moe_llama(model_path: str | Path, *, cpu_moe: bool = False, n_cpu_moe: int =
     if sched_async_cpu is not None:
         # per context: its scheduler is reserved again at the next decode
         moe.llama_moe_set_sched_async_cpu(_context_of(moe, model), 1 if sched_async_cpu else 0)
+    if layer_major_prompt is not None:
+        moe.llama_moe_set_layer_major_prompt(_context_of(moe, model), 1 if layer_major_prompt else 0)
     model._pyllama_moe_overrides = (overrides, patterns)  # the model holds a pointer to them
     if overrides is not None and model.model_params.tensor_buft_overrides != ctypes.addressof(overrides):
         raise UserError("llama_cpp.Llama did not take the expert overrides (another llama-cpp-python version?)",

@@ -52,6 +52,11 @@ def _miss_policy_env(policy: str | None) -> dict[str, str]:
     return {} if policy is None else {"LLAMA_MOE_MISS_POLICY": policy}
 
 
+def _layer_major_env(switch: str | None) -> dict[str, str]:
+    """The environment of --layer-major-prompt on|off (None: the process's own, LLAMA_LAYER_MAJOR_PROMPT or on)."""
+    return {} if switch is None else {"LLAMA_LAYER_MAJOR_PROMPT": "1" if switch == "on" else "0"}
+
+
 def _profile_env(path: Path | None) -> dict[str, str]:
     """The environment of --moe-cache-profile FILE (an absolute path: the worker runs elsewhere)."""
     return {} if path is None else {"LLAMA_MOE_CACHE_PROFILE": str(Path(path).resolve())}
@@ -66,6 +71,9 @@ def _check_run(args) -> None:
                             "drop it or use --variant patched")
     if args.sched_async_cpu is not None and args.variant != "patched":
         raise UserError("--sched-async-cpu needs the patched build (master computes CPU splits on the calling thread)",
+                        "drop it or use --variant patched")
+    if args.layer_major_prompt is not None and args.variant != "patched":
+        raise UserError("--layer-major-prompt needs the patched build (master computes prompts ubatch by ubatch)",
                         "drop it or use --variant patched")
     if args.moe_cache_mib:  # 0 is no cache, on any build
         check_cache_has_a_device("-mcm/--moe-cache-mib", args.backend)
@@ -117,7 +125,8 @@ def cmd_run(args) -> int:
                           n_ubatch=args.ubatch, threads=_threads(args), generate=args.generate,
                           moe_cache_mib=args.moe_cache_mib, stats=args.moe_cache_mib is not None,
                           env={**_seed_env(args.moe_cache_seed), **_profile_env(args.moe_cache_profile),
-                               **_async_cpu_env(args.sched_async_cpu), **_miss_policy_env(args.moe_miss_policy)})
+                               **_async_cpu_env(args.sched_async_cpu), **_miss_policy_env(args.moe_miss_policy),
+                               **_layer_major_env(args.layer_major_prompt)})
     result = runner.run(built, src, spec)
     _show_moe_alerts(result.moe_alerts)
     if args.logits_out:
@@ -424,6 +433,10 @@ def register(sub) -> None:
                    help="what decode does with an expert the cache does not hold: upload it, compute it on the CPU, or "
                         "upload at most N a layer step and compute the rest on the CPU (patched builds; default: "
                         "LLAMA_MOE_MISS_POLICY, upload; docs/hot-cold.md)")
+    p.add_argument("--layer-major-prompt", choices=("on", "off"),
+                   help="compute a prompt of several ubatches layer group by layer group, so that its host weights cross "
+                        "to the GPU once per group (patched builds; default: LLAMA_LAYER_MAJOR_PROMPT, on; "
+                        "docs/layer-major.md)")
     p.add_argument("--logits-out", type=output_file("logits file"), help="write the all-position logits (f32) as .npy")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_run)
