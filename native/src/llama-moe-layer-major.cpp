@@ -7,6 +7,7 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
@@ -214,6 +215,9 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
         why = "an eval callback is set (it sees each ubatch's layers in order): such calls run ubatch by ubatch";
     } else if (cparams.embeddings) {
         why = "embeddings calls run ubatch by ubatch";
+    } else if (std::find(cparams.embeddings_layer_inp.begin(), cparams.embeddings_layer_inp.end(), true) !=
+               cparams.embeddings_layer_inp.end()) {
+        why = "a layer's inputs are extracted (llama_set_embeddings_layer_inp): such calls run ubatch by ubatch";
     } else if (!can_rewind) {
         why = "the memory (recurrent or hybrid) cannot run a call's ubatches again for each layer group: calls run ubatch by ubatch";
     } else if (cparams.moe_cache != nullptr) {

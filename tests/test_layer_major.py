@@ -1,0 +1,198 @@
+"""Layer-major prompts (docs/layer-major.md): a decode call of several ubatches runs layer group by layer group, each
+group over every ubatch, with the memory rewound between groups. On the CPU and on SIM (whose device runs the CPU's
+kernels) the prompt's logits, the generated tokens and the decode steps' logits are the bytes of master at the same
+ubatch, for any grouping; on SIM with the experts on the host each group's experts are uploaded once per call. A
+planted fault that skips the memory's restore between groups is caught, and a call stopped by the abort callback
+leaves the memory as the contract says."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from pyllama_moe.harness import models, runner
+from pyllama_moe.harness.matrix import load_matrix
+from pyllama_moe.paths import CI_DIR, PROJECT_ROOT
+
+from ggml_program import source_dir
+from llama_tools import clean_env
+
+TOKENS = [(i * 7919) % 4000 + 16 for i in range(40)]  # 5 ubatches of 8
+SIM_TOKENS = [(i * 7919) % 4000 + 16 for i in range(160)]  # 5 ubatches of 32: the device computes the host experts
+SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SCHED_PREFETCH": "2",
+           "GGML_SCHED_PREFETCH_MIN_BATCH": "32"}
+CALL_LINE = re.compile(r"layer-major prompt: (\d+) tokens in (\d+) ubatches, (\d+) layer groups?: ([\d.]+) MiB of host "
+                       r"weights uploaded, ([\d.]+) MiB found kept in place")
+STOP = PROJECT_ROOT / "tests" / "native" / "test_layer_major_stop.cpp"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.ensure_model("qwen3moe", load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"])
+
+
+def _cpu_spec(model, env):
+    return runner.RunSpec(model=model, tokens=TOKENS, n_ubatch=8, n_batch=64, threads=2, generate=6, load_mode="none",
+                          repack=False, stats=bool(env.get("_stats")), env={k: v for k, v in env.items() if k[0] != "_"})
+
+
+@pytest.fixture(scope="module")
+def master_cpu(master_build, src, model):
+    return runner.run(master_build, src, _cpu_spec(model, {}))
+
+
+def _same_bytes(got, ref):
+    assert got.logits_sha256 == ref.logits_sha256
+    assert got.decode_logits_sha256 == ref.decode_logits_sha256
+    assert got.generated == ref.generated
+
+
+@pytest.mark.parametrize("group_layers, n_groups", [(1, 4), (2, 2), (3, 2), (4, 1)])
+def test_every_grouping_computes_masters_bytes_on_the_cpu(patched_build, src, model, master_cpu, group_layers, n_groups):
+    got = runner.run(patched_build, src, _cpu_spec(model, {"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": str(group_layers),
+                                                           "_stats": "1"}))
+    _same_bytes(got, master_cpu)
+    # the prompt was one call of 5 ubatches in n_groups groups; the generation's calls of one token were not
+    assert got.stats["prompt"]["n_layer_major_calls"] == 1
+    assert got.stats["generate"]["n_layer_major_calls"] == 1
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("40", "5", str(n_groups))]
+
+
+def test_off_computes_in_ubatch_order(patched_build, src, model, master_cpu):
+    got = runner.run(patched_build, src, _cpu_spec(model, {"LLAMA_LAYER_MAJOR_PROMPT": "0",
+                                                           "LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "2", "_stats": "1"}))
+    _same_bytes(got, master_cpu)
+    assert got.stats["generate"]["n_layer_major_calls"] == 0
+    assert not CALL_LINE.search(got.log)
+
+
+def test_a_group_computed_from_a_later_memory_state_is_caught(patched_build, src, model, master_cpu):
+    # the planted fault: each group after the first applies its ubatches over the cells the group before left, so a
+    # ubatch attends from a state ubatch order never had
+    got = runner.run(patched_build, src, _cpu_spec(model, {"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "2",
+                                                           "LLAMA_LAYER_MAJOR_DEBUG_NO_RESTORE": "1"}))
+    assert got.logits_sha256 != master_cpu.logits_sha256
+
+
+def _sim_run(build, src, model, env):
+    spec = runner.RunSpec(model=model, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=4,
+                          cpu_moe=True, load_mode="none", repack=False, stats=True, env={**SIM_ENV, **env})
+    return runner.run(build, src, spec)
+
+
+@pytest.fixture(scope="module")
+def sim_ubatch_order(patched_build, src, model):
+    return _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_PROMPT": "0"})
+
+
+@pytest.mark.parametrize("env, n_groups", [({}, 1), ({"LLAMA_LAYER_MAJOR_STAGING_MIB": "4"}, 2),
+                                           ({"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "1"}, 4)],
+                         ids=["auto", "staging-4mib", "groups-of-1"])
+def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, master_cpu, sim_ubatch_order, env,
+                                                  n_groups):
+    got = _sim_run(patched_build, src, model, env)
+    ref = sim_ubatch_order
+    assert got.logits_sha256 == ref.logits_sha256
+    assert got.decode_logits_sha256 == ref.decode_logits_sha256
+    assert got.generated == ref.generated
+    prompt, base = got.stats["prompt"], ref.stats["prompt"]
+    # ubatch order uploads every host expert once per ubatch of the prompt (5); layer-major once per call, and finds
+    # the copies of the 4 later ubatches in place
+    assert base["prefetch_upload_bytes"] > 0 and base["prefetch_kept_bytes"] == 0
+    assert prompt["layer_major_upload_bytes"] == prompt["prefetch_upload_bytes"]
+    assert prompt["prefetch_upload_bytes"] * 4 < base["prefetch_upload_bytes"]
+    assert prompt["prefetch_kept_bytes"] >= 3 * prompt["prefetch_upload_bytes"]
+    calls = [m.groups() for m in CALL_LINE.finditer(got.log)]
+    assert [c[:3] for c in calls] == [("160", "5", str(n_groups))]
+
+
+def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_build, src, model, sim_ubatch_order):
+    got = _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_STAGING_MIB": "1"})
+    assert got.logits_sha256 == sim_ubatch_order.logits_sha256
+    assert got.stats["prompt"]["n_layer_major_calls"] == 0
+    assert len(re.findall(r"layer 0 alone has [\d.]+ MiB of host weights, more than the staging budget of 1.0 MiB",
+                          got.log)) == 1
+
+
+def test_an_eval_callback_keeps_ubatch_order_and_says_why(patched_build, src, model, master_cpu):
+    spec = _cpu_spec(model, {"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "2"})
+    spec.eval_callback = 7
+    got = runner.run(patched_build, src, spec)
+    _same_bytes(got, master_cpu)
+    assert not CALL_LINE.search(got.log)
+    assert got.log.count("an eval callback is set") == 1
+
+
+def test_a_stopped_call_leaves_the_memory_as_the_contract_says(patched_build, tmp_path, model):
+    import shutil
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    tree, lib = source_dir(patched_build), patched_build.bin_dir
+    exe = tmp_path / "test_layer_major_stop"
+    subprocess.run([cxx, "-std=c++17", "-O1", str(STOP), "-I", str(tree / "include"), "-I", str(tree / "ggml" / "include"),
+                    "-L", str(lib), "-lllama", "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                   check=True)
+    out = subprocess.run([str(exe), str(model)], capture_output=True, text=True, timeout=300,
+                         env=clean_env(LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS="2"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [dict(zip(("lm", "k", "calls", "ret", "last", "hash"), line.split()[1::2])) for line in out.stdout.splitlines()]
+    by = {(r["lm"], i % 4): r for i, r in enumerate(rows)}  # per order: the clean run, then stops at 1, 1/3, the end
+    assert len(rows) == 8
+    clean = by[("1", 0)]
+    assert clean["ret"] == "0" and clean["last"] == "39" and by[("0", 0)]["hash"] == clean["hash"]
+    for lm in ("1", "0"):
+        first, third, last = by[(lm, 1)], by[(lm, 2)], by[(lm, 3)]
+        assert {first["ret"], third["ret"], last["ret"]} == {"2"}
+        # a stop in the first ubatch, or at the last node (the last ubatch, in the last group): what ubatch order keeps
+        assert first["last"] == "-1" and last["last"] == "31"
+        # whatever was kept, finishing the prompt gives the clean run's logits
+        assert {first["hash"], third["hash"], last["hash"]} == {clean["hash"]}
+    # a third of the way is in a group before the last: no ubatch went through every layer, so none is kept, where
+    # ubatch order keeps the ubatches it finished
+    assert by[("1", 2)]["last"] == "-1"
+    assert int(by[("0", 2)]["last"]) >= 7
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    from pyllama_moe.synth.shapes import resolve_shape
+    from pyllama_moe.synth.writer import write_model
+
+    path = tmp_path_factory.mktemp("layer-major") / "tiny.gguf"
+    write_model(path, resolve_shape("tiny"), progress=False)
+    return path
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "--model", "{model}", "--", "-lmp", "2"], "argument -lmp (llama-bench)"),
+    (["bench", "--model", "{model}", "--", "--layer-major-prompt", "0,1"], "bench pairs rows"),
+    (["run", "{model}", "--layer-major-prompt", "on", "--variant", "master"], "--layer-major-prompt needs the patched build"),
+])
+def test_the_cli_refuses_a_bad_switch_in_one_line_before_any_work(tiny_file, tmp_path, argv, says):
+    import sys
+
+    home = tmp_path / "home"
+    env = {**clean_env(), "PYLLAMA_MOE_HOME": str(home), "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pyllama_moe", *(a.format(model=tiny_file) for a in argv)],
+                          capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and says in proc.stderr, proc.stderr
+    assert not home.exists(), "work started (the cache root was made) before the refusal"
+
+
+def test_llama_bench_runs_both_orders_as_rows(patched_build, model):
+    def bench(*args):
+        return subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(model), "-p", "160", "-n", "0",
+                               "-b", "160", "-ub", "32", "-r", "1", "-t", "2", "-ngl", "99", "-ncmoe", "4", *args],
+                              capture_output=True, text=True, timeout=300, env=clean_env(**SIM_ENV))
+
+    md = bench("-lmp", "0,1", "-o", "md")
+    assert md.returncode == 0, md.stderr[-2000:]
+    rows = [[c.strip() for c in ln.split("|")] for ln in md.stdout.splitlines() if ln.startswith("|")]
+    col = rows[0].index("lmp")
+    assert [row[col] for row in rows[2:]] == ["0", "1"]
+    bad = bench("-lmp", "2")
+    assert bad.returncode != 0 and "error: --layer-major-prompt 2: expected 0" in bad.stderr and "pp160" not in bad.stdout
