@@ -105,6 +105,8 @@ def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, mas
     assert prompt["prefetch_kept_bytes"] >= 3 * prompt["prefetch_upload_bytes"]
     calls = [m.groups() for m in CALL_LINE.finditer(got.log)]
     assert [c[:3] for c in calls] == [("160", "5", str(n_groups))]
+    # the arena that held the group's copies is given back once the call is done (decode needs none of it)
+    assert prompt["prefetch_arena_bytes"] < prompt["prefetch_upload_bytes"]
 
 
 def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_build, src, model, sim_ubatch_order):
@@ -124,23 +126,34 @@ def test_an_eval_callback_keeps_ubatch_order_and_says_why(patched_build, src, mo
     assert got.log.count("an eval callback is set") == 1
 
 
-def test_a_stopped_call_leaves_the_memory_as_the_contract_says(patched_build, tmp_path, model):
+@pytest.fixture(scope="module")
+def stop_program(patched_build, tmp_path_factory):
     import shutil
 
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")
     tree, lib = source_dir(patched_build), patched_build.bin_dir
-    exe = tmp_path / "test_layer_major_stop"
+    exe = tmp_path_factory.mktemp("layer-major-stop") / "test_layer_major_stop"
     subprocess.run([cxx, "-std=c++17", "-O1", str(STOP), "-I", str(tree / "include"), "-I", str(tree / "ggml" / "include"),
                     "-L", str(lib), "-lllama", "-lggml", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{lib}", "-o", str(exe)],
                    check=True)
-    out = subprocess.run([str(exe), str(model)], capture_output=True, text=True, timeout=300,
-                         env=clean_env(LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS="2"))
+    return exe
+
+
+def _stops(exe, *args: str, group_layers: str):
+    """The program's rows, by (order, case): case 0 the clean run, then stops at the first node, a third of the way and
+    the last node."""
+    out = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600,
+                         env=clean_env(LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=group_layers))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [dict(zip(("lm", "k", "calls", "ret", "last", "hash"), line.split()[1::2])) for line in out.stdout.splitlines()]
-    by = {(r["lm"], i % 4): r for i, r in enumerate(rows)}  # per order: the clean run, then stops at 1, 1/3, the end
     assert len(rows) == 8
+    return {(r["lm"], i % 4): r for i, r in enumerate(rows)}, out.stderr
+
+
+def test_a_stopped_call_leaves_the_memory_as_the_contract_says(stop_program, model):
+    by, _ = _stops(stop_program, str(model), group_layers="2")
     clean = by[("1", 0)]
     assert clean["ret"] == "0" and clean["last"] == "39" and by[("0", 0)]["hash"] == clean["hash"]
     for lm in ("1", "0"):
@@ -154,6 +167,23 @@ def test_a_stopped_call_leaves_the_memory_as_the_contract_says(patched_build, tm
     # ubatch order keeps the ubatches it finished
     assert by[("1", 2)]["last"] == "-1"
     assert int(by[("0", 2)]["last"]) >= 7
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    return models.ensure_model("gpt-oss", load_matrix(CI_DIR / "matrix.toml").models["gpt-oss"])
+
+
+def test_a_call_that_wraps_a_sliding_window_cache_keeps_ubatch_order(stop_program, gpt_oss):
+    # gpt-oss: a window of 128 on every other layer, whose cache (a window and a ubatch, in cells of 256) the 400-token
+    # call wraps. Layer-major order would have its earlier groups write later ubatches' K and V over cells a stop must
+    # leave alone, so it declines such a call, and every stop keeps what ubatch order keeps
+    by, log = _stops(stop_program, str(gpt_oss), "400", "64", "512", group_layers="1")
+    for case in range(4):
+        assert {k: v for k, v in by[("1", case)].items() if k != "lm"} == {k: v for k, v in by[("0", case)].items()
+                                                                             if k != "lm"}
+    assert by[("0", 2)]["last"] != "-1"  # the stop a third of the way in keeps the ubatches ubatch order finished
+    assert "sliding-window cache smaller than the call" in log
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Hot/cold layers and miss policies (docs/hot-cold.md) on the GPU machine. Prepare on the CPU machine as prefetch.sh
 # says; after `run.sh build` (or build-patched for the steps of the patched build alone), run.sh names them
-# hot-cold-STEP. The model is the 30B-A3B shape with routing skew 0.5, every expert on the host (-cmoe), pinned,
+# hot-cold-STEP. Every tg128 row decodes after a 512-token prompt (-d 512), which fills the cache: under cpu decode never
+# uploads, so without it the cache would stay empty. The model is the 30B-A3B shape with routing skew 0.5, every expert
+# on the host (-ncmoe 48), pinned,
 # -lm none; the cache at a quarter (3900 MiB) and half (7800 MiB) of the expert bytes. Each bench interleaves its two
 # configurations, one ratio with its interval:
 #   ops       test-backend-ops of the lookup (the policies' cases), the fills and the masked ids on CUDA0 against
@@ -52,16 +54,16 @@ policy)
     M=$(skew_model) || exit 1
     for mcm in 3900 7800; do
         for p in cpu split:2 split:4; do
-            policy_bench 150 $mcm upload $p 0 "policy-$p-$mcm" -p 0 -n 128
+            policy_bench 150 $mcm upload $p 0 "policy-$p-$mcm" -p 0 -n 128 -d 512
         done
     done
-    policy_bench 150 3900 cpu cpu "0 1" "async-cpu-3900" -p 0 -n 128
+    policy_bench 150 3900 cpu cpu "0 1" "async-cpu-3900" -p 0 -n 128 -d 512
     ;;
 master)
     wait_builds 600 || exit 1
     M=$(skew_model) || exit 1
     for mcm in 3900 7800; do
-        master_bench $mcm $POLICY "master-$POLICY-$mcm" -p 0 -n 128
+        master_bench $mcm $POLICY "master-$POLICY-$mcm" -p 0 -n 128 -d 512
     done
     ;;
 targets)
@@ -82,17 +84,17 @@ targets)
             --warmup-rounds 0 --max-seconds $((limit - 20)) --json "$OUT/$name.json" \
             -- -ngl 99 -ncmoe 48 -lm $lm "$@" 2>&1 | tee "$OUT/$name.txt" | grep -E '^\|' | tail -4
     }
-    row page-master-cpu-3900 170 master cpu 3900 pageable -p 0 -n 128
-    row page-upload-cpu-3900 200 upload cpu 3900 pageable -p 0 -n 128
-    row pin-upload-cpu-3900 120 upload cpu 3900 pinned -p 0 -n 128
-    row pin-master-cpu-7800 150 master cpu 7800 pinned -p 0 -n 128
+    row page-master-cpu-3900 170 master cpu 3900 pageable -p 0 -n 128 -d 512
+    row page-upload-cpu-3900 200 upload cpu 3900 pageable -p 0 -n 128 -d 512
+    row pin-upload-cpu-3900 120 upload cpu 3900 pinned -p 0 -n 128 -d 512
+    row pin-master-cpu-7800 150 master cpu 7800 pinned -p 0 -n 128 -d 512
     row par-master-cpu-7800 150 master cpu 7800 pinned -p 12,16 -n 0 -ub 16
-    row page-master-cpu-7800 170 master cpu 7800 pageable -p 0 -n 128
-    row page-upload-cpu-7800 200 upload cpu 7800 pageable -p 0 -n 128
-    row pin-upload-split4-3900 120 upload split:4 3900 pinned -p 0 -n 128
+    row page-master-cpu-7800 170 master cpu 7800 pageable -p 0 -n 128 -d 512
+    row page-upload-cpu-7800 200 upload cpu 7800 pageable -p 0 -n 128 -d 512
+    row pin-upload-split4-3900 120 upload split:4 3900 pinned -p 0 -n 128 -d 512
     row par-master-cpu-3900 150 master cpu 3900 pinned -p 8 -n 0 -ub 8
     case " ${TARGETS:-async-cpu-3900} " in *" async-cpu-3900 "*)
-        policy_bench 120 3900 cpu cpu "0 1" async-cpu-3900 -p 0 -n 128 | grep -E '^\|' | tail -4 ;; esac
+        policy_bench 120 3900 cpu cpu "0 1" async-cpu-3900 -p 0 -n 128 -d 512 | grep -E '^\|' | tail -4 ;; esac
     ;;
 parallel)
     wait_builds 600 || exit 1

@@ -6,12 +6,16 @@
 // node on the CPU's first thread, so one thread), then once for each stop point: the callback answers true at its
 // k-th call. Each line printed: lm, k (0: no stop), the call count, decode's return value, the memory's last position,
 // and the hash of the last token's logits once the prompt's positions after that one were decoded in a second call.
+// Optional: N_TOKENS N_UBATCH N_CTX (default 40 8 128); a context whose sliding-window cache is smaller than the prompt
+// wraps it within the call, which layer-major order must decline (its stops could not leave the memory as ubatch
+// order does).
 #include "llama.h"
 #include "llama-moe.h"
 
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 struct stop_at {
@@ -48,14 +52,21 @@ static int decode_range(llama_context * ctx, const std::vector<llama_token> & to
     return ret;
 }
 
-static void run(llama_model * model, const std::vector<llama_token> & tokens, int lm, uint64_t k, uint64_t * calls) {
+struct shape {
+    int n_ubatch = 8;
+    int n_ctx    = 128;
+};
+
+static void run(llama_model * model, const std::vector<llama_token> & tokens, const shape & sh, int lm, uint64_t k,
+        uint64_t * calls) {
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx           = 128;
-    cp.n_batch         = 64;
-    cp.n_ubatch        = 8;
+    cp.n_ctx           = sh.n_ctx;
+    cp.n_batch         = (uint32_t) tokens.size();
+    cp.n_ubatch        = sh.n_ubatch;
     cp.n_threads       = 1;
     cp.n_threads_batch = 1;
     cp.no_perf         = true;
+    cp.swa_full        = false; // a sliding-window cache of its own size, as llama.cpp's tools make it
     llama_context * ctx = llama_init_from_model(model, cp);
     llama_moe_set_layer_major_prompt(ctx, lm);
     stop_at s;
@@ -81,9 +92,15 @@ static void run(llama_model * model, const std::vector<llama_token> & tokens, in
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s MODEL\n", argv[0]);
+    if (argc != 2 && argc != 5) {
+        fprintf(stderr, "usage: %s MODEL [N_TOKENS N_UBATCH N_CTX]\n", argv[0]);
         return 2;
+    }
+    const int n_tokens = argc == 5 ? atoi(argv[2]) : 40;
+    shape sh;
+    if (argc == 5) {
+        sh.n_ubatch = atoi(argv[3]);
+        sh.n_ctx    = atoi(argv[4]);
     }
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
@@ -92,16 +109,16 @@ int main(int argc, char ** argv) {
         return 1;
     }
     std::vector<llama_token> tokens;
-    for (int i = 0; i < 40; i++) {
+    for (int i = 0; i < n_tokens; i++) {
         tokens.push_back((i * 7919) % 4000 + 16);
     }
     for (int lm = 1; lm >= 0; lm--) {
         uint64_t total = 0;
-        run(model, tokens, lm, 0, &total);
+        run(model, tokens, sh, lm, 0, &total);
         // the first node, a third of the way (layer-major: in a group before the last), the last node (the last
         // ubatch of the last group)
         for (uint64_t k : { (uint64_t) 1, total / 3, total }) {
-            run(model, tokens, lm, k, nullptr);
+            run(model, tokens, sh, lm, k, nullptr);
         }
     }
     llama_model_free(model);
