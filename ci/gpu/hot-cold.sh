@@ -19,7 +19,7 @@
 #   parallel  pp of 4, 8, 12, 16 tokens per graph (the decode of that many sequences): the cache at a half and a
 #             quarter under upload and cpu against master -cmoe (llama-bench -p N -n 0 -ub N: one graph of N tokens)
 set -uo pipefail
-step=${1:?usage: hot-cold.sh ops|policy|master|parallel}
+step=${1:?usage: hot-cold.sh ops|policy|master|targets|parallel}
 . "$(dirname "$0")/common.sh"
 POLICY=${POLICY:-cpu}
 
