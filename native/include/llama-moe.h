@@ -113,6 +113,7 @@ struct llama_moe_stats {
     uint64_t n_async_cpu_splits;    // CPU splits computed on the worker thread (asynchronous CPU splits)
     uint64_t n_async_cpu_joins_waited; // ... joins that found the worker still computing, so the caller waited
     uint64_t prefetch_kept_bytes;   // weight-copy bytes found in the staging arena and not uploaded again
+    uint64_t prefetch_staged_bytes; // ... of the uploads, bytes staged ahead of their graph (the next layer group's)
     uint64_t n_layer_major_calls;   // decode calls computed layer-major (since the context was made)
     uint64_t layer_major_upload_bytes;      // host-weight bytes those calls uploaded
     uint64_t layer_major_last_upload_bytes; // ... the last of them

@@ -42,6 +42,13 @@ static int64_t layer_major_min_ubatches() {
     return env > 0 ? env : 2;
 }
 
+// how many groups a device's host weights are cut into where the budget allows (each group's upload overlaps the
+// group before it; the first one's does not)
+static int64_t layer_major_target_groups() {
+    static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_GROUPS", 1, 4096);
+    return env > 0 ? env : 8;
+}
+
 // LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=N: groups of N layers whatever the host weights, the budget and the prefetch
 // (tests: layer-major order on a CPU-only build, and group boundaries anywhere)
 static int64_t layer_major_debug_group_layers() {
@@ -67,10 +74,10 @@ static bool layer_major_arch_ok(llm_arch arch) {
     }
 }
 
-// the bytes of each layer's weights in host memory that the layer's device reads (uploads), by layer
-static std::vector<size_t> layer_host_bytes(const llama_model & model) {
+// the weights in host memory that each layer's device reads (uploads), by layer
+static std::vector<std::vector<ggml_tensor *>> layer_host_weights(const llama_model & model) {
     const int32_t n_layer = (int32_t) model.hparams.n_layer();
-    std::vector<size_t> bytes(n_layer, 0);
+    std::vector<std::vector<ggml_tensor *>> weights(n_layer);
     for (const auto & [name, t] : model.tensors_by_name) {
         int il = -1;
         if (sscanf(name.c_str(), "blk.%d.", &il) != 1 || il < 0 || il >= n_layer) {
@@ -84,9 +91,52 @@ static std::vector<size_t> layer_host_bytes(const llama_model & model) {
         if (dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
             continue;
         }
-        bytes[il] += ggml_nbytes(t);
+        weights[il].push_back(t);
+    }
+    return weights;
+}
+
+static std::vector<size_t> layer_bytes(const std::vector<std::vector<ggml_tensor *>> & weights) {
+    std::vector<size_t> bytes(weights.size(), 0);
+    for (size_t il = 0; il < weights.size(); il++) {
+        for (const ggml_tensor * t : weights[il]) {
+            bytes[il] += ggml_nbytes(t);
+        }
     }
     return bytes;
+}
+
+static ggml_backend_t backend_of(ggml_backend_sched_t sched, ggml_backend_dev_t dev) {
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
+        if (ggml_backend_get_device(backend) == dev) {
+            return backend;
+        }
+    }
+    return nullptr;
+}
+
+// each group's host weights by backend, and each backend's region: the largest group's kept copies there
+static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, ggml_backend_sched_t sched,
+        const std::vector<std::vector<ggml_tensor *>> & weights) {
+    lm.weights.assign(lm.groups.size(), {});
+    std::map<ggml_backend_t, size_t> region;
+    for (size_t g = 0; g < lm.groups.size(); g++) {
+        std::map<ggml_backend_t, std::vector<ggml_tensor *>> by_backend;
+        for (int32_t il = lm.groups[g].first; il < lm.groups[g].second; il++) {
+            ggml_backend_t backend = weights[il].empty() ? nullptr : backend_of(sched, model.dev_layer(il));
+            if (backend != nullptr && ggml_backend_sched_prefetch_enabled(sched, backend)) {
+                auto & list = by_backend[backend];
+                list.insert(list.end(), weights[il].begin(), weights[il].end());
+            }
+        }
+        for (auto & [backend, list] : by_backend) {
+            const size_t size = ggml_backend_sched_prefetch_keep_size(sched, backend, list.data(), (int) list.size());
+            region[backend] = std::max(region[backend], size);
+            lm.weights[g].emplace_back(backend, std::move(list));
+        }
+    }
+    lm.regions.assign(region.begin(), region.end());
 }
 
 // groups of consecutive layers whose host bytes on each device stay within that device's budget; *why where a layer
@@ -104,8 +154,8 @@ static llama_moe_layer_groups plan_groups(const llama_model & model, const std::
         const size_t limit = budget.at(dev);
         if (bytes[il] > limit) {
             char buf[256];
-            snprintf(buf, sizeof(buf), "layer %d alone has %.1f MiB of host weights, more than the staging budget of "
-                     "%.1f MiB on %s: prompts run ubatch by ubatch (LLAMA_LAYER_MAJOR_STAGING_MIB sets the budget)",
+            snprintf(buf, sizeof(buf), "layer %d alone has %.1f MiB of host weights, more than a layer group may stage "
+                     "(%.1f MiB on %s): prompts run ubatch by ubatch (LLAMA_LAYER_MAJOR_STAGING_MIB sets the budget)",
                      il, bytes[il]/1024.0/1024.0, limit/1024.0/1024.0, ggml_backend_dev_name(dev));
             why = buf;
             return {};
@@ -130,18 +180,22 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         lm.why_plan = std::string("the ") + llm_arch_name(model.arch) + " graph is built for all its layers at once";
         return;
     }
+    const bool uploads = cparams.op_offload && cparams.prefetch.mode != GGML_BACKEND_SCHED_PREFETCH_OFF;
+    const std::vector<std::vector<ggml_tensor *>> weights = uploads ? layer_host_weights(model) :
+                                                            std::vector<std::vector<ggml_tensor *>>(n_layer);
     if (const int64_t n = layer_major_debug_group_layers(); n > 0) {
         for (int32_t il = 0; il < n_layer; il += (int32_t) n) {
             lm.groups.emplace_back(il, std::min<int32_t>(n_layer, il + (int32_t) n));
         }
+        plan_staging(lm, model, sched, weights);
         LLAMA_LOG_WARN("llama_moe: layer-major prompts: LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=%" PRId64 ": %zu groups of "
                        "up to %" PRId64 " layers (a test setting)\n", n, lm.groups.size(), n);
         return;
     }
-    if (!cparams.op_offload || cparams.prefetch.mode == GGML_BACKEND_SCHED_PREFETCH_OFF) {
+    if (!uploads) {
         return; // the host weights are computed where they are, or uploaded at split time: nothing to keep
     }
-    const std::vector<size_t> bytes = layer_host_bytes(model);
+    const std::vector<size_t> bytes = layer_bytes(weights);
     std::map<ggml_backend_dev_t, size_t> total;
     for (int32_t il = 0; il < n_layer; il++) {
         if (bytes[il] > 0) {
@@ -174,12 +228,30 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
             ggml_backend_dev_memory(dev, &free, &all);
             room = free > cparams.prefetch.headroom ? (free - cparams.prefetch.headroom) / 2 : 0;
         }
-        budget[dev] = std::min(room, sum);
+        budget[dev] = room;
+    }
+    // groups of about 1/LLAMA_LAYER_MAJOR_GROUPS of a device's host weights (8: a group's upload, all the first group
+    // leaves exposed, is an eighth of the call's), at most half its budget, in two regions: while one group's graphs
+    // read one region, the next group's weights upload into the other. A budget whose half cannot hold the largest
+    // layer but whose whole holds every one: one group, uploaded in the call's first ubatch
+    const int64_t n_groups = layer_major_target_groups();
+    for (auto & [dev, b] : budget) {
+        size_t largest = 0;
+        for (int32_t il = 0; il < n_layer; il++) {
+            largest = model.dev_layer(il) == dev ? std::max(largest, bytes[il]) : largest;
+        }
+        const size_t share = std::max(largest, (total[dev] + n_groups - 1) / n_groups);
+        if (n_groups == 1 || (b / 2 < largest && total[dev] <= b)) {
+            b = std::min(b, total[dev]);
+        } else {
+            b = std::min(b / 2, share);
+        }
     }
     lm.groups = plan_groups(model, bytes, budget, lm.why_plan);
     if (lm.groups.empty()) {
         return;
     }
+    plan_staging(lm, model, sched, weights);
     std::string devs;
     for (const auto & [dev, b] : budget) {
         char buf[160];
@@ -187,10 +259,11 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
                  b/1024.0/1024.0, total[dev]/1024.0/1024.0);
         devs += buf;
     }
-    LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers; staging per device (of its host "
-                   "weights): %s%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
-                   lm.groups.size() == 1 ? "" : "s", n_layer, devs.c_str(), set > 0 ? " (set)" : " (auto: half the free memory)",
-                   layer_major_min_ubatches());
+    LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers%s; a group's budget per device (of its "
+                   "host weights): %s%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
+                   lm.groups.size() == 1 ? "" : "s", n_layer,
+                   lm.groups.size() == 1 ? "" : ", each group's weights uploaded while the group before runs",
+                   devs.c_str(), set > 0 ? " (set)" : " (auto: half the free memory)", layer_major_min_ubatches());
 }
 
 llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, const llama_model & model,
@@ -219,7 +292,8 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
                cparams.embeddings_layer_inp.end()) {
         why = "a layer's inputs are extracted (llama_set_embeddings_layer_inp): such calls run ubatch by ubatch";
     } else if (!can_rewind) {
-        why = "the memory (recurrent or hybrid) cannot run a call's ubatches again for each layer group: calls run ubatch by ubatch";
+        why = "the memory cannot run a call's ubatches again for each layer group (recurrent or hybrid memory, or a "
+              "sliding-window cache smaller than the call: --swa-full keeps it whole): such calls run ubatch by ubatch";
     } else if (cparams.moe_cache != nullptr) {
         why = "the expert cache is on (its prompt path runs per ubatch): calls run ubatch by ubatch";
     }
@@ -228,6 +302,43 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
         return {};
     }
     return lm.groups;
+}
+
+void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched) {
+    lm.staging = lm.groups.size() > 1 && !lm.regions.empty();
+    for (const auto & [backend, region] : lm.regions) {
+        lm.staging = lm.staging && ggml_backend_sched_set_prefetch_keep_layout(sched, backend, 0, 2*region);
+    }
+    if (lm.groups.size() > 1 && !lm.regions.empty() && !lm.staging) {
+        llama_moe_layer_major_say(lm, "the staging arena could not be made to hold two layer groups' host weights: each "
+                "group uploads its own in its first ubatch, overlapping none of the group before");
+    }
+}
+
+void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, bool stage) {
+    if (!lm.staging) {
+        return;
+    }
+    for (const auto & [backend, region] : lm.regions) {
+        ggml_backend_sched_set_prefetch_keep_layout(sched, backend, (size_t) (g % 2) * region, 0);
+    }
+    if (stage) {
+        llama_moe_layer_major_stage_next(lm, sched, g);
+    }
+}
+
+void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g) {
+    if (!lm.staging || g + 1 >= (int32_t) lm.groups.size()) {
+        return;
+    }
+    for (auto & [backend, list] : lm.weights[g + 1]) {
+        size_t region = 0;
+        for (const auto & [b, r] : lm.regions) {
+            region = b == backend ? r : region;
+        }
+        // a weight left out (the arena could not hold it) is uploaded by its own graph, as without staging
+        ggml_backend_sched_prefetch_stage(sched, backend, (size_t) ((g + 1) % 2) * region, list.data(), (int) list.size());
+    }
 }
 
 void llama_moe_default_set_layer_major_prompt(int32_t on) {

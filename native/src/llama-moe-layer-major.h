@@ -26,6 +26,13 @@ struct llama_moe_layer_major {
     std::string            why_plan;   // why the plan is empty (said once; "" when there is nothing to upload)
     std::set<std::string>  said;       // the reasons already logged by this context
 
+    // staging ahead: each group's host weights by the backend that reads them, and each such backend's region (the
+    // bytes of the largest group's kept copies there). With more than one group the staging arena holds two regions:
+    // while a group's graphs read one, the next group's weights are uploaded into the other
+    std::vector<std::vector<std::pair<ggml_backend_t, std::vector<ggml_tensor *>>>> weights; // [group]
+    std::vector<std::pair<ggml_backend_t, size_t>> regions;
+    bool staging = false; // the call in progress stages ahead
+
     // the call in progress: the layers the next graph builds, and the boundary rows it reads
     int32_t            il_begin = 0;
     int32_t            il_end   = -1;  // -1: to the last layer
@@ -48,6 +55,17 @@ bool llama_moe_layer_major_context_default();
 // ubatches again (llama_memory_context_i::can_rewind)
 llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, const llama_model & model,
         ggml_backend_sched_t sched, const llama_cparams & cparams, uint32_t n_tokens, bool can_rewind);
+
+// the start of a call of several groups: each backend's staging arena made to hold two regions; lm.staging says
+// whether the call stages ahead
+void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched);
+
+// group g's kept copies go to its region (the group's parity) in the graphs built next; with `stage`, the host
+// weights of group g + 1 (if any) are uploaded into the other region first, behind what the copy queues hold
+void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, bool stage);
+
+// group g + 1's host weights uploaded into its region now (once group g's own uploads are queued)
+void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
 
 // say once per context (at warning level) why a call that took layer-major order gave it up
 void llama_moe_layer_major_say(llama_moe_layer_major & lm, const std::string & why);
