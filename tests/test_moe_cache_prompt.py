@@ -37,7 +37,9 @@ def _run(build, src, model, cache_mib: int, env=None, want_logits=True, **spec):
 
 @pytest.fixture(scope="module")
 def reference(patched_build, src, model):
-    return _run(patched_build, src, model, 0)
+    # the cache off, in ubatch order: every prompt ubatch uploads every expert (layer-major order would upload each
+    # once, docs/layer-major.md; with the cache on a call keeps ubatch order)
+    return _run(patched_build, src, model, 0, env={"LLAMA_LAYER_MAJOR_PROMPT": "0"})
 
 
 def _same(a, b):

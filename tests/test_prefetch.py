@@ -420,8 +420,9 @@ def test_staging_budget_through_llama_moe(patched_build, src, qwen3moe, master_u
     """The staging budget reaches the scheduler through the per-context setter, which beats the
     environment; the reservation line gives the staging in bytes, its budget and the lookahead it allows; a budget
     under what depth 4 takes holds less staging and still uploads ahead, with master's logits (2 MiB: 1 MiB would keep
-    uploads only 1 split ahead of the 0.53 MiB splits, which drops the prefetch)."""
-    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
+    uploads only 1 split ahead of the 0.53 MiB splits, which drops the prefetch). In ubatch order: a layer-major
+    prompt stages its layer groups in an arena of its own budget (docs/layer-major.md)."""
+    env = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2", "LLAMA_LAYER_MAJOR_PROMPT": "0"}
     auto = runner.run(patched_build, src, _spec(*qwen3moe, env=env, stats=True))
     small = runner.run(patched_build, src, _spec(*qwen3moe, env={**env, "GGML_SCHED_PREFETCH_STAGING_MIB": "64"},
                                                  stats=True, prefetch={"staging_mib": 2}))

@@ -377,7 +377,8 @@ def pin_check(log: str, budget_mib: float | None = None) -> Check:
     no other. Under a pin budget (budget_mib), no more than the budget is page-locked. The cases and why:
     docs/identity.md, "What a cell compares"."""
     lines = [line[line.index("llama_moe: "):] for line in log.splitlines()
-             if "llama_moe: " in line and "expert cache" not in line]  # the cache's lines are cache_check's
+             if "llama_moe: " in line and "expert cache" not in line  # the cache's lines are cache_check's
+             and "layer-major" not in line]  # layer-major prompts' plan and calls (docs/layer-major.md)
     line = lines[0] if len(lines) == 1 else ""
     m = PINNED_IN_PLACE.search(line)
     if budget_mib is not None and not (m and _mib(m.group(4)) <= budget_mib):
