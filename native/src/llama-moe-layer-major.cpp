@@ -116,19 +116,53 @@ static ggml_backend_t backend_of(ggml_backend_sched_t sched, ggml_backend_dev_t 
     return nullptr;
 }
 
-// each group's host weights by backend, and each backend's region: the largest group's kept copies there
+// the backend that computes the ops the scheduler offloads from host weights: the first one that takes them (the
+// scheduler's offload order), where the prefetch stages their copies
+static ggml_backend_t offload_backend(ggml_backend_sched_t sched) {
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        if (dev != nullptr && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            return ggml_backend_sched_prefetch_enabled(sched, backend) ? backend : nullptr;
+        }
+    }
+    return nullptr;
+}
+
+// the host weights read outside the layers that an offloaded op may copy (the output head, on the host under a partial
+// -ngl): staged with the last group
+static std::vector<ggml_tensor *> head_host_weights(const llama_model & model) {
+    std::vector<ggml_tensor *> out;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (name.rfind("blk.", 0) == 0 || name.rfind("token_embd", 0) == 0 || ggml_n_dims(t) < 2) {
+            continue; // the layers' own, or read by get_rows on the CPU
+        }
+        if (t->buffer != nullptr && t->extra == nullptr && ggml_backend_buffer_is_host(t->buffer)) {
+            out.push_back(t);
+        }
+    }
+    return out;
+}
+
+// each group's host weights by the backend whose copies they become, and each such backend's region: the largest
+// group's kept copies there
 static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, ggml_backend_sched_t sched,
         const std::vector<std::vector<ggml_tensor *>> & weights) {
     lm.weights.assign(lm.groups.size(), {});
     std::map<ggml_backend_t, size_t> region;
-    for (size_t g = 0; g < lm.groups.size(); g++) {
+    ggml_backend_t target = offload_backend(sched);
+    const std::vector<ggml_tensor *> head = head_host_weights(model);
+    for (size_t g = 0; g < lm.groups.size() && target != nullptr; g++) {
         std::map<ggml_backend_t, std::vector<ggml_tensor *>> by_backend;
         for (int32_t il = lm.groups[g].first; il < lm.groups[g].second; il++) {
-            ggml_backend_t backend = weights[il].empty() ? nullptr : backend_of(sched, model.dev_layer(il));
-            if (backend != nullptr && ggml_backend_sched_prefetch_enabled(sched, backend)) {
-                auto & list = by_backend[backend];
+            if (!weights[il].empty()) {
+                auto & list = by_backend[target];
                 list.insert(list.end(), weights[il].begin(), weights[il].end());
             }
+        }
+        if (g + 1 == lm.groups.size() && !head.empty()) {
+            auto & list = by_backend[target];
+            list.insert(list.end(), head.begin(), head.end());
         }
         for (auto & [backend, list] : by_backend) {
             const size_t size = ggml_backend_sched_prefetch_keep_size(sched, backend, list.data(), (int) list.size());
@@ -307,7 +341,9 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
 void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched) {
     lm.staging = lm.groups.size() > 1 && !lm.regions.empty();
     for (const auto & [backend, region] : lm.regions) {
-        lm.staging = lm.staging && ggml_backend_sched_set_prefetch_keep_layout(sched, backend, 0, 2*region);
+        // every backend asked, so that none keeps two regions for a call that stages on none
+        const bool made = lm.staging && ggml_backend_sched_set_prefetch_keep_layout(sched, backend, 0, 2*region);
+        lm.staging = lm.staging && made;
     }
     if (lm.groups.size() > 1 && !lm.regions.empty() && !lm.staging) {
         llama_moe_layer_major_say(lm, "the staging arena could not be made to hold two layer groups' host weights: each "
@@ -336,7 +372,7 @@ void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_s
         for (const auto & [b, r] : lm.regions) {
             region = b == backend ? r : region;
         }
-        // a weight left out (the arena could not hold it) is uploaded by its own graph, as without staging
+        // a weight left out (the arena could not hold it) is uploaded by its own graph; the rest stay where staged
         ggml_backend_sched_prefetch_stage(sched, backend, (size_t) ((g + 1) % 2) * region, list.data(), (int) list.size());
     }
 }
