@@ -109,7 +109,7 @@ def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, mas
     assert (prompt["prefetch_staged_bytes"] > 0) == (n_groups > 1)
     calls = [m.groups() for m in CALL_LINE.finditer(got.log)]
     assert [c[:3] for c in calls] == [("160", "5", str(n_groups))]
-    # the arena that held the group's copies is given back once the call is done (decode needs none of it)
+    # the arena grown for the groups' copies goes back to the ring's size once the call is done
     assert prompt["prefetch_arena_bytes"] < prompt["prefetch_upload_bytes"]
 
 
