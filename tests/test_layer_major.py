@@ -86,11 +86,11 @@ def sim_ubatch_order(patched_build, src, model):
     return _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_PROMPT": "0"})
 
 
-@pytest.mark.parametrize("env, n_groups", [({}, 4), ({"LLAMA_LAYER_MAJOR_GROUPS": "1"}, 1),
+@pytest.mark.parametrize("env, n_groups", [({}, 1), ({"LLAMA_LAYER_MAJOR_GROUPS": "8"}, 4),
                                            ({"LLAMA_LAYER_MAJOR_GROUPS": "2"}, 2),
                                            ({"LLAMA_LAYER_MAJOR_STAGING_MIB": "4"}, 4),
                                            ({"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "3"}, 2)],
-                         ids=["auto", "one-group", "two-groups", "staging-4mib", "groups-of-3"])
+                         ids=["auto-fits", "eight-groups", "two-groups", "staging-4mib", "groups-of-3"])
 def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, master_cpu, sim_ubatch_order, env,
                                                   n_groups):
     got = _sim_run(patched_build, src, model, env)

@@ -43,10 +43,11 @@ static int64_t layer_major_min_ubatches() {
 }
 
 // how many groups a device's host weights are cut into where the budget allows (each group's upload overlaps the
-// group before it; the first one's does not)
+// group before it; the first one's does not); 0 (unset): one group where they all fit the budget, else as many as
+// half the budget needs
 static int64_t layer_major_target_groups() {
     static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_GROUPS", 1, 4096);
-    return env > 0 ? env : 8;
+    return env > 0 ? env : 0;
 }
 
 // LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=N: groups of N layers whatever the host weights, the budget and the prefetch
@@ -264,21 +265,22 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         }
         budget[dev] = room;
     }
-    // groups of about 1/LLAMA_LAYER_MAJOR_GROUPS of a device's host weights (8: a group's upload, all the first group
-    // leaves exposed, is an eighth of the call's), at most half its budget, in two regions: while one group's graphs
-    // read one region, the next group's weights upload into the other. A budget whose half cannot hold the largest
-    // layer but whose whole holds every one: one group, uploaded in the call's first ubatch
+    // one group where a device's host weights all fit its budget (uploaded in the call's first ubatch), else groups
+    // of at most half the budget, in two regions: while one group's graphs read one region, the next group's weights
+    // upload into the other. LLAMA_LAYER_MAJOR_GROUPS=N asks for about 1/N of the weights a group (at most half the
+    // budget). A budget whose half cannot hold the largest layer but whose whole holds every one: one group
     const int64_t n_groups = layer_major_target_groups();
     for (auto & [dev, b] : budget) {
         size_t largest = 0;
         for (int32_t il = 0; il < n_layer; il++) {
             largest = model.dev_layer(il) == dev ? std::max(largest, bytes[il]) : largest;
         }
-        const size_t share = std::max(largest, (total[dev] + n_groups - 1) / n_groups);
-        if (n_groups == 1 || (b / 2 < largest && total[dev] <= b)) {
+        if (n_groups == 1 || (n_groups == 0 && total[dev] <= b) || (b / 2 < largest && total[dev] <= b)) {
             b = std::min(b, total[dev]);
+        } else if (n_groups == 0) {
+            b = b / 2;
         } else {
-            b = std::min(b / 2, share);
+            b = std::min(b / 2, std::max(largest, (total[dev] + n_groups - 1) / n_groups));
         }
     }
     lm.groups = plan_groups(model, bytes, budget, lm.why_plan);
@@ -351,15 +353,12 @@ void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_
     }
 }
 
-void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, bool stage) {
+void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g) {
     if (!lm.staging) {
         return;
     }
     for (const auto & [backend, region] : lm.regions) {
         ggml_backend_sched_set_prefetch_keep_layout(sched, backend, (size_t) (g % 2) * region, 0);
-    }
-    if (stage) {
-        llama_moe_layer_major_stage_next(lm, sched, g);
     }
 }
 

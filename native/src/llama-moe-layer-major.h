@@ -60,9 +60,8 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
 // whether the call stages ahead
 void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched);
 
-// group g's kept copies go to its region (the group's parity) in the graphs built next; with `stage`, the host
-// weights of group g + 1 (if any) are uploaded into the other region first, behind what the copy queues hold
-void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, bool stage);
+// group g's kept copies go to its region (the group's parity) in the graphs built next
+void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
 
 // group g + 1's host weights uploaded into its region now (once group g's own uploads are queued)
 void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
