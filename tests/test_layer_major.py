@@ -16,7 +16,7 @@ from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR, PROJECT_ROOT
 
 from ggml_program import source_dir
-from llama_tools import clean_env
+from llama_tools import clean_env, cli_refusal
 
 TOKENS = [(i * 7919) % 4000 + 16 for i in range(40)]  # 5 ubatches of 8
 SIM_TOKENS = [(i * 7919) % 4000 + 16 for i in range(160)]  # 5 ubatches of 32: the device computes the host experts
@@ -206,15 +206,8 @@ def tiny_file(tmp_path_factory):
     (["run", "{model}", "--layer-major-prompt", "on", "--variant", "master"], "--layer-major-prompt needs the patched build"),
 ])
 def test_the_cli_refuses_a_bad_switch_in_one_line_before_any_work(tiny_file, tmp_path, argv, says):
-    import sys
-
-    home = tmp_path / "home"
-    env = {**clean_env(), "PYLLAMA_MOE_HOME": str(home), "PYTHONPATH": str(PROJECT_ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "pyllama_moe", *(a.format(model=tiny_file) for a in argv)],
-                          capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.splitlines()) == 1 and says in proc.stderr, proc.stderr
-    assert not home.exists(), "work started (the cache root was made) before the refusal"
+    stderr = cli_refusal(argv, tiny_file, tmp_path / "home")
+    assert says in stderr, stderr
 
 
 def test_llama_bench_runs_both_orders_as_rows(patched_build, model):

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from llama_tools import clean_env, completion
+from llama_tools import clean_env, cli_refusal, completion
 from pyllama_moe.arguments import MISS_CPU, MISS_SPLIT, MISS_UPLOAD, parse_miss_policy
-from pyllama_moe.paths import PROJECT_ROOT
 
 SIM = {"GGML_SIM_DEVICES": "1"}
 PROMPT = " ".join(f"w{(k * 37) % 97}" for k in range(40))
@@ -63,14 +62,8 @@ def tiny_file(tmp_path_factory) -> Path:
     (["bench", "--model", "{model}", "--", "-mmp", "upload,cpu"], "llama-bench -mmp upload,cpu: bench pairs rows"),
 ])
 def test_the_cli_refuses_a_bad_policy_in_one_line_before_any_work(tiny_file, tmp_path, argv, flag):
-    home = tmp_path / "home"
-    env = {**clean_env(), "PYLLAMA_MOE_HOME": str(home), "PYTHONPATH": str(PROJECT_ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "pyllama_moe", *(a.format(model=tiny_file) for a in argv)],
-                          capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"pyllama-moe {argv[0]}: error: ")
-    assert flag in proc.stderr, proc.stderr
-    assert not home.exists(), "work started (the cache root was made) before the refusal"
+    stderr = cli_refusal(argv, tiny_file, tmp_path / "home")
+    assert stderr.startswith(f"pyllama-moe {argv[0]}: error: ") and flag in stderr, stderr
 
 
 def test_run_hands_the_policy_to_the_worker_and_prints_the_cold_misses(tiny_file, monkeypatch, capsys):
