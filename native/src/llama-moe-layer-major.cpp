@@ -107,16 +107,6 @@ static std::vector<size_t> layer_bytes(const std::vector<std::vector<ggml_tensor
     return bytes;
 }
 
-static ggml_backend_t backend_of(ggml_backend_sched_t sched, ggml_backend_dev_t dev) {
-    for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
-        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
-        if (ggml_backend_get_device(backend) == dev) {
-            return backend;
-        }
-    }
-    return nullptr;
-}
-
 // the backend that computes the ops the scheduler offloads from host weights: the first one that takes them (the
 // scheduler's offload order), where the prefetch stages their copies
 static ggml_backend_t offload_backend(ggml_backend_sched_t sched) {
