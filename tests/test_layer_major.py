@@ -75,9 +75,19 @@ def test_a_group_computed_from_a_later_memory_state_is_caught(patched_build, src
     assert got.logits_sha256 != master_cpu.logits_sha256
 
 
-def _sim_run(build, src, model, env):
-    spec = runner.RunSpec(model=model, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=4,
-                          cpu_moe=True, load_mode="none", repack=False, stats=True, env={**SIM_ENV, **env})
+def test_a_ubatch_computed_before_the_ubatches_ahead_of_it_is_caught(patched_build, src, model, master_cpu):
+    # the planted ordering fault: each ubatch of a group attends as if the group ran it before the ubatches ahead of
+    # it wrote their K and V. It plants nothing in ubatch order, whose calls mark no memory state
+    env = {"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "2", "LLAMA_LAYER_MAJOR_DEBUG_EARLY_UBATCH": "1"}
+    assert runner.run(patched_build, src, _cpu_spec(model, env)).logits_sha256 != master_cpu.logits_sha256
+    _same_bytes(runner.run(patched_build, src, _cpu_spec(model, {**env, "LLAMA_LAYER_MAJOR_PROMPT": "0"})), master_cpu)
+
+
+def _sim_run(build, src, model, env, *, tokens=SIM_TOKENS, n_ubatch=32, base_env=SIM_ENV, generate=4):
+    """The prompt as one decode call on SIM with every expert on the host, then `generate` tokens."""
+    spec = runner.RunSpec(model=model, tokens=tokens, n_ubatch=n_ubatch, n_batch=max(256, len(tokens)), threads=2,
+                          generate=generate, cpu_moe=True, load_mode="none", repack=False, stats=True,
+                          env={**base_env, **env})
     return runner.run(build, src, spec)
 
 
@@ -111,6 +121,84 @@ def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, mas
     assert [c[:3] for c in calls] == [("160", "5", str(n_groups))]
     # the arena grown for the groups' copies goes back to the ring's size once the call is done
     assert prompt["prefetch_arena_bytes"] < prompt["prefetch_upload_bytes"]
+
+
+# The expert cache in the group loop: the skewed tiny qwen3moe (a few experts take most tokens, so which ones are
+# resident after a prompt shows in the decode hit counts) with a 2 MiB cache, a few of each layer's 16 experts, and a
+# 512-token prompt at ub 128, the prefetch's min batch: 4 ubatches, each uploading ahead
+CACHE_PROMPT = [(i * 7919) % 4000 + 16 for i in range(512)]
+CACHE_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SCHED_PREFETCH": "2", "LLAMA_MOE_CACHE_MIB": "2"}
+PLANNER_COUNTS = ("n_ubatches", "n_fills", "n_evictions", "n_seeded")
+
+
+@pytest.fixture(scope="module")
+def skew_model():
+    return models.ensure_model("qwen3moe-skew2", {**load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"], "skew": 2.0})
+
+
+def _cache_run(build, src, model, env):
+    return _sim_run(build, src, model, env, tokens=CACHE_PROMPT, n_ubatch=128, base_env=CACHE_ENV)
+
+
+@pytest.fixture(scope="module")
+def cache_ubatch_order(patched_build, src, skew_model):
+    return _cache_run(patched_build, src, skew_model, {"LLAMA_LAYER_MAJOR_PROMPT": "0"})
+
+
+@pytest.mark.parametrize("env, n_groups", [({}, 1), ({"LLAMA_LAYER_MAJOR_GROUPS": "8"}, 4),
+                                           ({"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "3"}, 2)],
+                         ids=["auto-fits", "eight-groups-staged", "groups-of-3"])
+def test_the_expert_cache_ends_a_layer_major_call_as_ubatch_order_does(patched_build, src, skew_model,
+                                                                       cache_ubatch_order, env, n_groups):
+    got, ref = _cache_run(patched_build, src, skew_model, env), cache_ubatch_order
+    assert "of 16 expert slots each" in ref.log  # a partial cache: residents, admits and a seed all matter
+    assert got.logits_sha256 == ref.logits_sha256
+    assert got.decode_logits_sha256 == ref.decode_logits_sha256
+    assert got.generated == ref.generated
+    prompt, base = got.stats["prompt"], ref.stats["prompt"]
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("512", "4", str(n_groups))]
+    # every layer was planned once per ubatch, admitted and seeded as in ubatch order, so the residents after the
+    # prompt are the same: the decode steps hit and miss alike
+    assert base["cache_prompt"]["n_seeded"] > 0
+    assert {k: prompt["cache_prompt"][k] for k in PLANNER_COUNTS} == {k: base["cache_prompt"][k] for k in PLANNER_COUNTS}
+    decode, decode_base = got.stats["generate"]["cache_decode"], ref.stats["generate"]["cache_decode"]
+    assert (decode["n_hits"], decode["n_misses"]) == (decode_base["n_hits"], decode_base["n_misses"])
+    # the cache wrote each layer's copies once, in the group's first ubatch (or the stage before it), when the cache
+    # was still empty: every expert uploaded. Ubatch order wrote them in all 4 ubatches, the later ones reading the
+    # residents the first admitted from the banks and uploading the rest
+    cp, cp_base = prompt["cache_prompt"], base["cache_prompt"]
+    assert cp["n_hits"] == 0 and cp["n_misses"] * 4 == cp_base["n_hits"] + cp_base["n_misses"]
+    assert cp_base["bytes_uploaded"] > 3 * cp["bytes_uploaded"] > 0
+    assert prompt["layer_major_upload_bytes"] == prompt["prefetch_upload_bytes"] + cp["bytes_uploaded"]
+
+
+def test_a_seed_from_copies_kept_or_staged_ahead_holds_the_host_experts(patched_build, src, skew_model, cache_ubatch_order):
+    # LLAMA_MOE_CACHE_DEBUG_CHECK_SEED: each seeded layer's resident slots, once its graph is done, against the host
+    # experts the planner says they hold; with staged groups each group's seed reads copies written by a stage
+    got = _cache_run(patched_build, src, skew_model, {"LLAMA_LAYER_MAJOR_GROUPS": "8",
+                                                      "LLAMA_MOE_CACHE_DEBUG_CHECK_SEED": "1"})
+    assert got.logits_sha256 == cache_ubatch_order.logits_sha256
+    seeded = cache_ubatch_order.stats["prompt"]["cache_prompt"]["n_seeded"]
+    assert re.search(rf"seed check: \d+ resident experts of seeded layers compared with the host, 0 differ", got.log)
+    assert got.stats["prompt"]["cache_prompt"]["n_seeded"] == seeded
+
+
+def test_a_group_reserves_its_graph_once_not_as_its_kv_view_grows(patched_build, src, model):
+    # 1024 tokens at ub 128: the KV view grows every other ubatch. A group's graph is reserved at its largest when the
+    # group starts, so its ubatches fit it; without that (the planted LLAMA_LAYER_MAJOR_DEBUG_NO_RESERVE) each group
+    # reserves at its first graph and again wherever the view grew, each time waiting for every queue
+    def run(env):
+        return _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_GROUPS": "8", **env}, n_ubatch=128, generate=2,
+                        tokens=[(i * 7919) % 4000 + 16 for i in range(1024)])
+
+    base, got = run({"LLAMA_LAYER_MAJOR_PROMPT": "0"}), run({})
+    planted = run({"LLAMA_LAYER_MAJOR_DEBUG_NO_RESERVE": "1"})
+    assert got.logits_sha256 == base.logits_sha256 == planted.logits_sha256
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("1024", "8", "4")]
+    reallocs = {name: r.stats["prompt"]["n_graph_reallocs"] for name, r in
+                (("ubatch order", base), ("layer-major", got), ("planted", planted))}
+    assert reallocs["layer-major"] <= reallocs["ubatch order"], reallocs
+    assert reallocs["planted"] >= reallocs["layer-major"] + 4 * 3, reallocs  # 4 groups, 3 reservations each
 
 
 def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_build, src, model, sim_ubatch_order):

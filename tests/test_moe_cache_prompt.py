@@ -13,9 +13,11 @@ from pyllama_moe.harness import models, runner
 from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR
 
-# GGML_SCHED_PREFETCH=2: SIM devices upload ahead (the default mode is for CUDA-family devices alone)
+# GGML_SCHED_PREFETCH=2: SIM devices upload ahead (the default mode is for CUDA-family devices alone). The prompt runs
+# in ubatch order, the path these counts describe: layer-major order writes each layer's copies once per call
+# (tests/test_layer_major.py)
 SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SIM_COPY_LATENCY_US": "50", "GGML_SCHED_PREFETCH": "2",
-           "LLAMA_MOE_CACHE_FILL_WHOLE": "0"}
+           "LLAMA_MOE_CACHE_FILL_WHOLE": "0", "LLAMA_LAYER_MAJOR_PROMPT": "0"}
 PROMPT = [(i * 7919) % 4000 + 16 for i in range(512)]
 UBATCH = 128  # the prefetch's min batch: 4 prompt ubatches, each uploading ahead
 N_UBATCHES = len(PROMPT) // UBATCH
@@ -37,9 +39,8 @@ def _run(build, src, model, cache_mib: int, env=None, want_logits=True, **spec):
 
 @pytest.fixture(scope="module")
 def reference(patched_build, src, model):
-    # the cache off, in ubatch order: every prompt ubatch uploads every expert (layer-major order would upload each
-    # once, docs/layer-major.md; with the cache on a call keeps ubatch order)
-    return _run(patched_build, src, model, 0, env={"LLAMA_LAYER_MAJOR_PROMPT": "0"})
+    # the cache off, in ubatch order (SIM_ENV): every prompt ubatch uploads every expert
+    return _run(patched_build, src, model, 0)
 
 
 def _same(a, b):

@@ -7,10 +7,13 @@
 #   pp32k     pp32768 at ub 512 and 2048, every expert on the host (-ncmoe 48), pinned (-lm none)
 #   pp4k      pp4096 at ub 512 and 2048, the same placements
 #   pageable  pp32768 at ub 2048 with pageable experts (LLAMA_MOE_PIN_EXPERTS=0, -lm mmap)
+#   pageable-512  the same at ub 512 (llama.cpp's default; ubatch order re-sends every expert 64 times)
+#   staged    pp4096 and pp32768 at ub 512, groups staged ahead (LLAMA_LAYER_MAJOR_GROUPS=8) against one group
+#   cache     pp32768 at ub 2048, pageable, with a quarter of the expert bytes cached (-mcm 3900): both orders
 #   short     pp512 and tg128 (one ubatch, decode): unchanged
 # ROUNDS (2) sets the rounds of each bench.
 set -uo pipefail
-step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|short}
+step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|pageable-512|staged|cache|short}
 . "$(dirname "$0")/common.sh"
 ROUNDS=${ROUNDS:-2}
 
@@ -37,6 +40,23 @@ pageable)
     order_bench 300 layer-major-pageable --reps 1 --discard 0 \
         --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
         -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -lm mmap
+    ;;
+pageable-512)
+    order_bench 560 layer-major-pageable-512 --reps 1 --discard 0 \
+        --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
+        -- -p 32768 -n 0 -b 32768 -ub 512 -ngl 99 -ncmoe 0,48 -lm mmap
+    ;;
+staged)
+    # both sides layer-major: one group where the weights fit (baseline) against groups staged ahead (candidate)
+    BENCH_MODEL=$M bench 560 --baseline patched --candidate patched --candidate-env LLAMA_LAYER_MAJOR_GROUPS=8 \
+        --limit-row n_cpu_moe=0 --pin-threads --rounds "$ROUNDS" --warmup-rounds 0 --max-seconds 530 \
+        --json "$OUT/layer-major-staged.json" --reps 1 --discard 0 \
+        -- -p 4096,32768 -n 0 -b 32768 -ub 512 -ngl 99 -ncmoe 0,48 -lm none 2>&1 | tee "$OUT/layer-major-staged.txt"
+    ;;
+cache)
+    order_bench 540 layer-major-cache --reps 1 --discard 0 \
+        --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
+        -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -mcm 0,3900 -lm mmap
     ;;
 short)
     order_bench 200 layer-major-short --reps 3 --discard 1 -- -p 512 -n 128 -ngl 99 -ncmoe 48 -lm none

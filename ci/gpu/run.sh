@@ -48,6 +48,9 @@ hot-cold-parallel   hot-cold.sh parallel      graphs of 4-16 tokens under upload
 layer-major-pp32k   layer-major.sh pp32k      pp32768 ub 512 and 2048, experts on the host: layer-major against ubatch order and all on the GPU
 layer-major-pp4k    layer-major.sh pp4k       pp4096 ub 512 and 2048: the same
 layer-major-pageable layer-major.sh pageable  pp32768 ub 2048 with pageable experts: the same
+layer-major-pageable-512 layer-major.sh pageable-512  pp32768 ub 512 with pageable experts: the same
+layer-major-staged  layer-major.sh staged     pp4096 and pp32768 ub 512: groups staged ahead against one group
+layer-major-cache   layer-major.sh cache      pp32768 ub 2048, pageable, a quarter cache: layer-major against ubatch order
 layer-major-short   layer-major.sh short      pp512 and tg128 (one ubatch, decode): layer-major on against off
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
 masked-ids          device-lookup.sh masked-ids  test-backend-ops of MUL_MAT_ID/ADD_ID with ids of -1 on CUDA0 (each kernel, fusions), under memcheck

@@ -117,6 +117,8 @@ struct llama_moe_stats {
     uint64_t n_layer_major_calls;   // decode calls computed layer-major (since the context was made)
     uint64_t layer_major_upload_bytes;      // host-weight bytes those calls uploaded
     uint64_t layer_major_last_upload_bytes; // ... the last of them
+    uint64_t n_graph_reallocs;      // graph allocations that reserved the compute buffers again (each waits for every
+                                    // device queue): a graph that did not fit the reservation, or a changed placement
 };
 
 LLAMA_MOE_API void llama_moe_get_stats  (const struct llama_context * ctx, struct llama_moe_stats * stats);

@@ -63,6 +63,12 @@ struct rt_layer {
     uint64_t prompt_graph = 0;
     std::vector<int32_t> read_slot;
     std::vector<int32_t> admit_slot;
+    // layer-major prompts: the plan was made where the layer's copies were staged ahead of its graphs (its copies are
+    // issued; the next graph that finds them in place takes it as its own), and the moves that plan's counters
+    // charged (taken back where a graph finds the copy in place and moves none of them)
+    bool     staged_plan   = false;
+    bool     plan_charged  = false;
+    uint64_t charged_reads = 0, charged_uploads = 0;
     // that plan's admits, kept only once every bank of the layer got its bytes (checked when the next graph is bound):
     // a graph may stage some of a layer's tensors alone (a matmul left on the CPU next to an offloaded bias add) or
     // stop before the rest
@@ -169,6 +175,7 @@ struct llama_moe_cache_rt {
     // prompts: which layer and tensor each host expert tensor is, for the scheduler's copy callbacks
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int>> host_tensor;
     uint64_t n_graphs = 0;        // graphs bound, so a layer's prompt plan is made once per graph
+    bool staging = false;         // the fills that come are a stage of later graphs' copies (llama_moe_cache_set_staging)
     // which queue touched the banks last: a decode graph reads and fills them on the compute stream, a prompt's fills
     // read and admit on the copy queue; the first graph of the other kind waits for that work (once per switch).
     // The wait goes through the scheduler: it owns its copy queues (a reserve frees them with it) and counts what the
@@ -1643,12 +1650,30 @@ static llama_moe_cache_stats & prompt_stats(llama_moe_cache_rt & rt, const rt_la
 }
 
 // the layer's plan for this graph: every expert is staged (the upload runs ahead of the router), the residents read
-// from their slots, and uploads take free slots without replacing a resident (prompt_admit without the routing)
-static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
-    if (l.prompt_graph == rt.n_graphs) {
-        return;
+// from their slots, and uploads take free slots without replacing a resident (prompt_admit without the routing).
+// in_place: the scheduler found the layer's copy in place (kept): a plan made when it was staged ahead is this graph's
+static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l, bool in_place) {
+    if (l.prompt_graph == rt.n_graphs && l.staged_plan == rt.staging) {
+        return; // made for this graph (or this stage) already
+    }
+    if (l.staged_plan && !rt.staging) {
+        l.staged_plan = false;
+        if (in_place) {
+            // the stage issued the plan's reads, uploads and admits; its admits were settled with its staged copies.
+            // This graph's notices say where the copies are
+            settle_prompt_admits(rt, l);
+            l.prompt_graph = rt.n_graphs;
+            std::fill(l.read_slot.begin(), l.read_slot.end(), -1);
+            std::fill(l.admit_slot.begin(), l.admit_slot.end(), -1);
+            std::fill(std::begin(l.filled), std::end(l.filled), 0);
+            std::fill(std::begin(l.staged), std::end(l.staged), nullptr);
+            l.plan_charged = false;
+            return;
+        }
+        // the staged copies are gone (the scheduler writes this one again): plan as for any graph
     }
     l.prompt_graph = rt.n_graphs;
+    l.staged_plan  = rt.staging;
     planner_takes(l);
     // the planner counts one call per run and tensor; copy_fill counts the calls it makes instead (batched, or one per
     // run and piece)
@@ -1657,6 +1682,9 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
     rt.plan->prompt_stage(l.il, nullptr, 0, l.n_used, l.n_used, true, rt.pplan);
     rt.plan->prompt_admit(l.il, nullptr, 0, l.n_used, l.n_used, rt.pplan);
     st.n_copy_calls = n_calls;
+    l.plan_charged    = true;
+    l.charged_reads   = rt.pplan.reads.size();
+    l.charged_uploads = rt.pplan.uploads.size();
     std::fill(l.read_slot.begin(), l.read_slot.end(), -1);
     std::fill(l.admit_slot.begin(), l.admit_slot.end(), -1);
     for (const llama_moe_cache_fill & f : rt.pplan.reads) {
@@ -1669,6 +1697,21 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l) {
     std::fill(std::begin(l.filled), std::end(l.filled), 0);
     std::fill(std::begin(l.staged), std::end(l.staged), nullptr);
     l.staged_queue = nullptr;
+}
+
+// a copy found in place moves none of the reads and uploads its graph's plan counted: they are taken back (once per
+// plan; its admits, from the copy in place, still run)
+static void uncharge_moves(llama_moe_cache_rt & rt, rt_layer & l) {
+    if (!l.plan_charged) {
+        return;
+    }
+    llama_moe_cache_stats & st = prompt_stats(rt, l);
+    const size_t eb = layer_expert_bytes(l);
+    st.n_hits         -= l.charged_reads;
+    st.n_misses       -= l.charged_uploads;
+    st.bytes_copied   -= l.charged_reads * eb;
+    st.bytes_uploaded -= l.charged_uploads * eb;
+    l.plan_charged = false;
 }
 
 // every byte of tensor k of layer l was staged on its device in the layer's current prompt plan (copy_fill)
@@ -1701,6 +1744,8 @@ static int issue_moves(const rt_layer & l, ggml_backend_t queue, const ggml_tens
     return (int) moves.size();
 }
 
+// size 0: the scheduler found the copy in place (kept copies, ggml_backend_sched_set_prefetch_keep): nothing is
+// written, but the plan's admits are copied from it, and a seed may read it
 static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t offset, size_t size, ggml_backend_t queue,
         void * user_data) {
     llama_moe_cache_rt & rt = *(llama_moe_cache_rt *) user_data;
@@ -1708,14 +1753,24 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
     GGML_ASSERT(it != rt.host_tensor.end() && "the scheduler fills only the tensors the cache asked for");
     rt_layer & l = rt.layers[it->second.first];
     const int k = it->second.second;
+    const bool in_place = size == 0;
+    if (in_place) {
+        GGML_ASSERT(offset == 0);
+        size = ggml_nbytes(weight);
+    }
     if (ggml_backend_get_device(queue) != l.dev) {
         // staged on another device than the layer's banks (the scheduler put the matmul elsewhere, e.g. the first GPU
         // of several with op offload): a device-to-device copy between them would wait for both, so from the host
-        ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + offset, offset, size);
-        prompt_stats(rt, l).n_copy_calls++;
+        if (!in_place) {
+            ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + offset, offset, size);
+            prompt_stats(rt, l).n_copy_calls++;
+        }
         return;
     }
-    plan_prompt_layer(rt, l);
+    plan_prompt_layer(rt, l, in_place);
+    if (in_place) {
+        uncharge_moves(rt, l);
+    }
     l.filled[k] += size;
     l.staged[k] = copy;
     l.staged_queue = queue;
@@ -1739,9 +1794,13 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
         }
         const size_t hi = std::min(end, (size_t) e1 * nb);
         if (slot >= 0) {
-            devs.push_back({ l.g.bank[k], (size_t) slot * nb + (lo - (size_t) e0 * nb), copy, lo, hi - lo });
+            if (!in_place) {
+                devs.push_back({ l.g.bank[k], (size_t) slot * nb + (lo - (size_t) e0 * nb), copy, lo, hi - lo });
+            }
         } else {
-            ups.push_back({ nullptr, lo, copy, lo, hi - lo });
+            if (!in_place) {
+                ups.push_back({ nullptr, lo, copy, lo, hi - lo });
+            }
             for (size_t a = lo; a < hi; ) {
                 const int32_t ea = (int32_t) (a / nb);
                 int32_t eb = ea + 1;
@@ -1761,10 +1820,29 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
                       issue_moves(l, queue, weight, devs, false, rt.fill_regions);
     prompt_stats(rt, l).n_copy_calls += calls;
     note_banks_on_queue(rt, !devs.empty());
-    // a seed planned before this tensor's staged copy was complete: its copies follow the last piece
-    if (l.seed_graph == rt.n_graphs && !l.seed_issued[k] && staged_whole(l, k)) {
+    // a seed planned before this tensor's staged copy was complete: its copies follow the last piece. A stage's copy
+    // (a place the scheduler names for this call alone) seeds nothing: its layer is in no graph bound now
+    if (!rt.staging && l.seed_graph == rt.n_graphs && !l.seed_issued[k] && staged_whole(l, k)) {
         issue_seed(rt, l, k);
     }
+}
+
+void llama_moe_cache_set_staging(llama_moe_cache_rt * rt, bool staging) {
+    if (rt != nullptr) {
+        rt->staging = staging;
+    }
+}
+
+bool llama_moe_cache_reads_in_place(const llama_moe_cache_rt * rt, const ggml_tensor * weight) {
+    if (rt == nullptr) {
+        return false;
+    }
+    const auto it = rt->host_tensor.find(weight);
+    return it != rt->host_tensor.end() && layer_in_place(*rt, rt->layers[it->second.first]);
+}
+
+uint64_t llama_moe_cache_prompt_upload_bytes(const llama_moe_cache_rt * rt) {
+    return rt == nullptr ? 0 : rt->plan->get_stats(-1, LLAMA_MOE_CACHE_PHASE_PROMPT).bytes_uploaded;
 }
 
 void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched) {
@@ -1824,7 +1902,7 @@ static void seed_route(llama_moe_cache_rt & rt, const llama_moe_cache_route & r)
     const int64_t stride = read_ids(rt, r.ids);
     // the graph's plan of the layer (its bank reads and admits name the slots as they are now) before the seed changes
     // what is resident: the copies of that plan precede the seed's on the queue
-    plan_prompt_layer(rt, l);
+    plan_prompt_layer(rt, l, false);
     planner_takes(l);
     rt.plan->seed(r.il, rt.ids_host.data(), r.ids->ne[1], l.n_used, stride, l.seed_fills);
     l.seed_graph = rt.n_graphs;

@@ -186,6 +186,15 @@ int32_t llama_moe_cache_n_in_place(const llama_moe_cache_rt * rt);
 // (llama_context::sched_reserve): the cache settles the last graph with it and keeps nothing of it
 void llama_moe_cache_attach(llama_moe_cache_rt * rt, ggml_backend_sched_t sched);
 
+// layer-major prompts (llama-moe-layer-major.h): while on, the copies the scheduler asks the cache to fill are a stage
+// of later graphs' (ggml_backend_sched_prefetch_stage): each layer's plan is made there, and the first graph that finds
+// the layer's copies in place takes it as its own, so a layer is planned once per graph as in ubatch order
+void llama_moe_cache_set_staging(llama_moe_cache_rt * rt, bool staging);
+// whether graphs read this host weight's layer from its banks in place (nothing of it is staged)
+bool llama_moe_cache_reads_in_place(const llama_moe_cache_rt * rt, const ggml_tensor * weight);
+// the bytes the cache uploaded from the host for prompts (its fills of staged copies) since it was made
+uint64_t llama_moe_cache_prompt_upload_bytes(const llama_moe_cache_rt * rt);
+
 // llama_context::process_ubatch, before the graph computes: the scheduler's eval callback for this graph, the cache's
 // (which calls the user's after it) where the graph has routes, else the user's alone
 // (n_tokens: the graph's ubatch, whose size decides the phase its path steps count in)

@@ -1,5 +1,6 @@
 // llama-moe-layer-major.cpp: which calls are computed layer-major, and in which layer groups (docs/layer-major.md)
 #include "llama-moe-layer-major.h"
+#include "llama-moe-cache-rt.h"
 #include "llama-moe-impl.h"
 #include "llama-moe.h"
 
@@ -320,8 +321,6 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
     } else if (!can_rewind) {
         why = "the memory cannot run a call's ubatches again for each layer group (recurrent or hybrid memory, or a "
               "sliding-window cache smaller than the call: --swa-full keeps it whole): such calls run ubatch by ubatch";
-    } else if (cparams.moe_cache != nullptr) {
-        why = "the expert cache is on (its prompt path runs per ubatch): calls run ubatch by ubatch";
     }
     if (why != nullptr) {
         llama_moe_layer_major_say(lm, why);
@@ -352,18 +351,30 @@ void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_
     }
 }
 
-void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g) {
+void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
+        llama_moe_cache_rt * cache) {
     if (!lm.staging || g + 1 >= (int32_t) lm.groups.size()) {
         return;
     }
+    // the expert cache writes the copies of its layers' experts (residents from the banks) and plans them as the
+    // first graph that reads them would; a layer it reads in place is not staged at all
+    llama_moe_cache_set_staging(cache, true);
+    std::vector<ggml_tensor *> stage;
     for (auto & [backend, list] : lm.weights[g + 1]) {
         size_t region = 0;
         for (const auto & [b, r] : lm.regions) {
             region = b == backend ? r : region;
         }
+        stage.clear();
+        for (ggml_tensor * w : list) {
+            if (!llama_moe_cache_reads_in_place(cache, w)) {
+                stage.push_back(w);
+            }
+        }
         // a weight left out (the arena could not hold it) is uploaded by its own graph; the rest stay where staged
-        ggml_backend_sched_prefetch_stage(sched, backend, (size_t) ((g + 1) % 2) * region, list.data(), (int) list.size());
+        ggml_backend_sched_prefetch_stage(sched, backend, (size_t) ((g + 1) % 2) * region, stage.data(), (int) stage.size());
     }
+    llama_moe_cache_set_staging(cache, false);
 }
 
 void llama_moe_default_set_layer_major_prompt(int32_t on) {

@@ -14,6 +14,7 @@
 
 struct llama_model;
 struct llama_cparams;
+struct llama_moe_cache_rt;
 
 using llama_moe_layer_groups = std::vector<std::pair<int32_t, int32_t>>; // [il_begin, il_end) per group, in order
 
@@ -63,8 +64,10 @@ void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_
 // group g's kept copies go to its region (the group's parity) in the graphs built next
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
 
-// group g + 1's host weights uploaded into its region now (once group g's own uploads are queued)
-void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
+// group g + 1's host weights uploaded into its region now (once group g's own uploads are queued); cache: the context's
+// expert cache (nullptr: none), which writes its layers' copies
+void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
+        llama_moe_cache_rt * cache);
 
 // say once per context (at warning level) why a call that took layer-major order gave it up
 void llama_moe_layer_major_say(llama_moe_layer_major & lm, const std::string & why);
