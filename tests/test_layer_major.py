@@ -172,6 +172,24 @@ def test_the_expert_cache_ends_a_layer_major_call_as_ubatch_order_does(patched_b
     assert prompt["layer_major_upload_bytes"] == prompt["prefetch_upload_bytes"] + cp["bytes_uploaded"]
 
 
+def test_a_stage_lost_to_a_small_tail_ubatch_is_planned_once(patched_build, src, skew_model):
+    # 552 tokens: 4 ubatches of 128 and a tail of 24, below the min batch, whose graph copies at split time over the
+    # arena and so loses the next group's stage. That group's first graph writes its copies again from the stage's
+    # plan (no second planner step), so the residents and counts stay ubatch order's
+    tokens = CACHE_PROMPT + CACHE_PROMPT[:40]
+
+    def run(env):
+        return _sim_run(patched_build, src, skew_model, env, tokens=tokens, n_ubatch=128, base_env=CACHE_ENV)
+
+    got, ref = run({"LLAMA_LAYER_MAJOR_GROUPS": "8"}), run({"LLAMA_LAYER_MAJOR_PROMPT": "0"})
+    assert got.logits_sha256 == ref.logits_sha256 and got.generated == ref.generated
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("552", "5", "4")]
+    prompt, base = got.stats["prompt"]["cache_prompt"], ref.stats["prompt"]["cache_prompt"]
+    assert {k: prompt[k] for k in PLANNER_COUNTS} == {k: base[k] for k in PLANNER_COUNTS}
+    decode, decode_base = got.stats["generate"]["cache_decode"], ref.stats["generate"]["cache_decode"]
+    assert (decode["n_hits"], decode["n_misses"]) == (decode_base["n_hits"], decode_base["n_misses"])
+
+
 def test_a_seed_from_copies_kept_or_staged_ahead_holds_the_host_experts(patched_build, src, skew_model, cache_ubatch_order):
     # LLAMA_MOE_CACHE_DEBUG_CHECK_SEED: each seeded layer's resident slots, once its graph is done, against the host
     # experts the planner says they hold; with staged groups each group's seed reads copies written by a stage

@@ -1657,20 +1657,34 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l, bool in_pla
         return; // made for this graph (or this stage) already
     }
     if (l.staged_plan && !rt.staging) {
+        // the stage planned this ubatch of the layer and issued its copies; its admits were settled with them. Where
+        // the copies are in place this graph's notices say where; where the scheduler lost them (a smaller graph
+        // between, which copies at split time over the arena) it writes them again: the residents from the banks, the
+        // rest uploaded, and nothing admitted (the stage's plan did), counted as moved
         l.staged_plan = false;
-        if (in_place) {
-            // the stage issued the plan's reads, uploads and admits; its admits were settled with its staged copies.
-            // This graph's notices say where the copies are
-            settle_prompt_admits(rt, l);
-            l.prompt_graph = rt.n_graphs;
-            std::fill(l.read_slot.begin(), l.read_slot.end(), -1);
-            std::fill(l.admit_slot.begin(), l.admit_slot.end(), -1);
-            std::fill(std::begin(l.filled), std::end(l.filled), 0);
-            std::fill(std::begin(l.staged), std::end(l.staged), nullptr);
-            l.plan_charged = false;
-            return;
+        settle_prompt_admits(rt, l);
+        l.prompt_graph = rt.n_graphs;
+        planner_takes(l);
+        const llama_moe_cache_layer & pl = *rt.plan->layer(l.il);
+        std::fill(l.admit_slot.begin(), l.admit_slot.end(), -1);
+        uint64_t n_reads = 0;
+        for (int32_t e = 0; e < l.n_expert; e++) {
+            l.read_slot[e] = pl.slot_of[e];
+            n_reads += pl.slot_of[e] >= 0;
         }
-        // the staged copies are gone (the scheduler writes this one again): plan as for any graph
+        std::fill(std::begin(l.filled), std::end(l.filled), 0);
+        std::fill(std::begin(l.staged), std::end(l.staged), nullptr);
+        l.pending.clear();
+        l.plan_charged = false;
+        if (!in_place) {
+            llama_moe_cache_stats & st = prompt_stats(rt, l);
+            const size_t eb = layer_expert_bytes(l);
+            st.n_hits         += n_reads;
+            st.n_misses       += l.n_expert - n_reads;
+            st.bytes_copied   += n_reads * eb;
+            st.bytes_uploaded += (l.n_expert - n_reads) * eb;
+        }
+        return;
     }
     l.prompt_graph = rt.n_graphs;
     l.staged_plan  = rt.staging;
