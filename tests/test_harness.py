@@ -189,7 +189,7 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
     assert check.identical and check.detail == {"devices": ["SIM0"], "decode_path": "mixed", "whole": False,
                                                 "filled_whole": 0, "layer_steps": 1198, "hits": 1498, "misses": 3294, "in_place": 0,
                                                 "prompt_ubatches_ahead": 0, "prompt_layer_steps": 0, "prompt_reads": 0,
-                                                "prompt_fills": 0, "probe": 0}
+                                                "prompt_fills": 0, "layer_major_calls": 0, "probe": 0}
     # the decode path the cell asked for, by the context's line per device: a cell that wanted the device lookup and
     # got the host-side plan (or no line at all) fails, and the other way round
     device = "0.01 I llama_moe: expert cache on SIM0: decode looks up its slots and fills its misses on the device"
@@ -213,6 +213,13 @@ def test_the_cache_check_wants_banks_and_decode_steps_with_misses():
     assert not cache_check("\n".join([made, summary, prompts.replace("20 made", "0 made")]), ubatches_ahead=1).identical
     assert not cache_check("\n".join([made, summary, prompts.replace(" 20 experts", " 0 experts")]), ubatches_ahead=2).identical
     assert not cache_check("\n".join([made, summary, prompts]), ubatches_ahead=0).identical  # a prompt nobody expected
+    # a layer-major call writes each layer's copies once, in its first ubatch: a fresh cache has nothing to read then
+    layer_major = ("0.02 I llama_moe: layer-major prompt: 600 tokens in 5 ubatches, 1 layer group: 6.4 MiB of host "
+                   "weights uploaded, 19.1 MiB found kept in place")
+    unread = prompts.replace(" 20 experts", " 0 experts")
+    assert cache_check("\n".join([made, summary, unread, layer_major]), ubatches_ahead=4).identical
+    assert not cache_check("\n".join([made, summary, unread.replace("20 made", "0 made"), layer_major]),
+                           ubatches_ahead=4).identical
     # a layer with fewer slots than experts is never read in place: a summary that says so is wrong
     assert not cache_check(made + "\n" + summary.replace("0 read in place", "4 read in place")).identical
     # the cache's lines are not the pin's: the pin check still sees its one line

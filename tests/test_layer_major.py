@@ -172,10 +172,11 @@ def test_the_expert_cache_ends_a_layer_major_call_as_ubatch_order_does(patched_b
     assert prompt["layer_major_upload_bytes"] == prompt["prefetch_upload_bytes"] + cp["bytes_uploaded"]
 
 
-def test_a_stage_lost_to_a_small_tail_ubatch_is_planned_once(patched_build, src, skew_model):
-    # 552 tokens: 4 ubatches of 128 and a tail of 24, below the min batch, whose graph copies at split time over the
-    # arena and so loses the next group's stage. That group's first graph writes its copies again from the stage's
-    # plan (no second planner step), so the residents and counts stay ubatch order's
+def test_a_small_tail_ubatch_keeps_the_stages_and_the_plans(patched_build, src, skew_model):
+    # 552 tokens: 4 ubatches of 128 and a tail of 24, below the min batch. Its graph reads the group's kept copies (it
+    # used to copy its routed experts at split time over the arena, losing the next group's stage, whose first graph
+    # then wrote the copies again and planned its layers a second time); the cache plans nothing for it, as in ubatch
+    # order, so the residents and counts stay ubatch order's
     tokens = CACHE_PROMPT + CACHE_PROMPT[:40]
 
     def run(env):
@@ -188,6 +189,9 @@ def test_a_stage_lost_to_a_small_tail_ubatch_is_planned_once(patched_build, src,
     assert {k: prompt[k] for k in PLANNER_COUNTS} == {k: base[k] for k in PLANNER_COUNTS}
     decode, decode_base = got.stats["generate"]["cache_decode"], ref.stats["generate"]["cache_decode"]
     assert (decode["n_hits"], decode["n_misses"]) == (decode_base["n_hits"], decode_base["n_misses"])
+    # every expert of the 4 layers uploaded once, by the first group and the stages: none written again
+    assert (prompt["n_hits"], prompt["n_misses"]) == (0, 4 * 16)
+    assert got.stats["prompt"]["prefetch_upload_bytes"] == 0
 
 
 def test_a_seed_from_copies_kept_or_staged_ahead_holds_the_host_experts(patched_build, src, skew_model, cache_ubatch_order):

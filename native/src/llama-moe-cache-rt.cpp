@@ -67,7 +67,8 @@ struct rt_layer {
     // issued; the next graph that finds them in place takes it as its own), and the moves that plan's counters
     // charged (taken back where a graph finds the copy in place and moves none of them)
     bool     staged_plan   = false;
-    bool     plan_charged  = false;
+    bool     plan_charged  = false; // the expert counts
+    bool     tensor_charged[LLAMA_MOE_CACHE_N_TENSORS] = {}; // each tensor's share of the bytes
     uint64_t charged_reads = 0, charged_uploads = 0;
     // that plan's admits, kept only once every bank of the layer got its bytes (checked when the next graph is bound):
     // a graph may stage some of a layer's tensors alone (a matmul left on the CPU next to an offloaded bias add) or
@@ -1661,8 +1662,8 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l, bool in_pla
         // the copies are in place this graph's notices say where; where the scheduler lost them (a smaller graph
         // between, which copies at split time over the arena) it writes them again: the residents from the banks, the
         // rest uploaded, and nothing admitted (the stage's plan did), counted as moved
-        l.staged_plan = false;
-        settle_prompt_admits(rt, l);
+        settle_prompt_admits(rt, l); // (while the plan is the stage's: see staged_whole)
+        l.staged_plan  = false;
         l.prompt_graph = rt.n_graphs;
         planner_takes(l);
         const llama_moe_cache_layer & pl = *rt.plan->layer(l.il);
@@ -1676,6 +1677,7 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l, bool in_pla
         std::fill(std::begin(l.staged), std::end(l.staged), nullptr);
         l.pending.clear();
         l.plan_charged = false;
+        std::fill(std::begin(l.tensor_charged), std::end(l.tensor_charged), false);
         if (!in_place) {
             llama_moe_cache_stats & st = prompt_stats(rt, l);
             const size_t eb = layer_expert_bytes(l);
@@ -1697,6 +1699,7 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l, bool in_pla
     rt.plan->prompt_admit(l.il, nullptr, 0, l.n_used, l.n_used, rt.pplan);
     st.n_copy_calls = n_calls;
     l.plan_charged    = true;
+    std::fill(std::begin(l.tensor_charged), std::end(l.tensor_charged), true);
     l.charged_reads   = rt.pplan.reads.size();
     l.charged_uploads = rt.pplan.uploads.size();
     std::fill(l.read_slot.begin(), l.read_slot.end(), -1);
@@ -1713,24 +1716,29 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l, bool in_pla
     l.staged_queue = nullptr;
 }
 
-// a copy found in place moves none of the reads and uploads its graph's plan counted: they are taken back (once per
-// plan; its admits, from the copy in place, still run)
-static void uncharge_moves(llama_moe_cache_rt & rt, rt_layer & l) {
-    if (!l.plan_charged) {
-        return;
-    }
+// a copy of tensor k found in place moves none of the reads and uploads its graph's plan counted: its share of the
+// bytes is taken back, and the expert counts with the layer's first such copy (its admits, from the copy in place,
+// still run)
+static void uncharge_moves(llama_moe_cache_rt & rt, rt_layer & l, int k) {
     llama_moe_cache_stats & st = prompt_stats(rt, l);
-    const size_t eb = layer_expert_bytes(l);
-    st.n_hits         -= l.charged_reads;
-    st.n_misses       -= l.charged_uploads;
-    st.bytes_copied   -= l.charged_reads * eb;
-    st.bytes_uploaded -= l.charged_uploads * eb;
-    l.plan_charged = false;
+    if (l.plan_charged) {
+        st.n_hits   -= l.charged_reads;
+        st.n_misses -= l.charged_uploads;
+        l.plan_charged = false;
+    }
+    if (l.tensor_charged[k]) {
+        const size_t nb = l.g.host[k]->nb[expert_dim(k)];
+        st.bytes_copied   -= l.charged_reads * nb;
+        st.bytes_uploaded -= l.charged_uploads * nb;
+        l.tensor_charged[k] = false;
+    }
 }
 
 // every byte of tensor k of layer l was staged on its device in the layer's current prompt plan (copy_fill)
+// (a stage's copies are complete as bytes alone: the place it names lives only through the stage, and the graph that
+// adopts its plan says where the copy is)
 static bool staged_whole(const rt_layer & l, int k) {
-    return l.staged[k] != nullptr && l.filled[k] == ggml_nbytes(l.g.host[k]);
+    return (l.staged[k] != nullptr || l.staged_plan) && l.filled[k] == ggml_nbytes(l.g.host[k]);
 }
 
 // the moves of one kind in one call where the device's registry offers ggml_backend_copy_regions_async, else one
@@ -1778,16 +1786,17 @@ static void copy_fill(const ggml_tensor * weight, ggml_tensor * copy, size_t off
         if (!in_place) {
             ggml_backend_tensor_set_async(queue, copy, (const char *) weight->data + offset, offset, size);
             prompt_stats(rt, l).n_copy_calls++;
+            prompt_stats(rt, l).bytes_uploaded += size; // no plan counts it: nothing of the layer's banks is read
         }
         return;
     }
     plan_prompt_layer(rt, l, in_place);
     if (in_place) {
-        uncharge_moves(rt, l);
+        uncharge_moves(rt, l, k);
     }
     l.filled[k] += size;
-    l.staged[k] = copy;
-    l.staged_queue = queue;
+    l.staged[k]     = rt.staging ? nullptr : copy; // see staged_whole
+    l.staged_queue  = rt.staging ? nullptr : queue;
 
     const size_t nb  = l.g.host[k]->nb[expert_dim(k)];
     const size_t end = offset + size;

@@ -409,6 +409,10 @@ def filled_whole_layers(log: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+# a decode call computed layer group by layer group (docs/layer-major.md)
+LAYER_MAJOR_CALL = re.compile(r"llama_moe: layer-major prompt: \d+ tokens in")
+
+
 def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = None, decode_reads: bool = True,
                 probe: int = 0) -> Check:
     """The expert cache really took its path, by the context's summary at its end (banks made on which devices, with
@@ -425,6 +429,7 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
     misses = sum(d[2] for d in decode)
     in_place = sum(d[3] for d in decode) + sum(p[4] for p in prompt)
     p_steps, p_reads, p_fills = (sum(p[i] for p in prompt) for i in (0, 1, 3))
+    layer_major_calls = len(LAYER_MAJOR_CALL.findall(log))
     whole = bool(made) and all(int(m[3]) == int(m[5]) for m in made)
     filled_whole = filled_whole_layers(log)
     some_whole = any(int(m[4]) == int(m[5]) for m in made)
@@ -437,7 +442,8 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
               "layer_steps": steps,
               "hits": sum(d[1] for d in decode),
               "misses": misses, "in_place": in_place, "prompt_ubatches_ahead": ubatches_ahead,
-              "prompt_layer_steps": p_steps, "prompt_reads": p_reads, "prompt_fills": p_fills}
+              "prompt_layer_steps": p_steps, "prompt_reads": p_reads, "prompt_fills": p_fills,
+              "layer_major_calls": layer_major_calls}
     detail["probe"] = probe
     if whole and filled_whole and probe == 2:
         ok = in_place == 0 and p_fills == 0 and steps > 0 and misses == 0 and detail["hits"] > 0
@@ -446,8 +452,10 @@ def cache_check(log: str, ubatches_ahead: int = 0, want_device: bool | None = No
     elif whole:
         ok = in_place > 0 and (ubatches_ahead == 0 or p_fills > 0)
     else:
-        prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and \
-            (p_reads > 0) == (ubatches_ahead > 1)
+        # in ubatch order each later ubatch reads the residents the first admitted; a layer-major call writes each
+        # layer's copies once, in its first ubatch, when a fresh cache holds nothing to read (docs/layer-major.md)
+        reads_ok = layer_major_calls > 0 or (p_reads > 0) == (ubatches_ahead > 1)
+        prompt_ok = (p_steps > 0) == (ubatches_ahead > 0) and (ubatches_ahead == 0 or p_fills > 0) and reads_ok
         ok = (not decode_reads or (steps > 0 and misses > 0)) and (in_place == 0 or some_whole) and prompt_ok
     if want_device is not None:
         ok = ok and decode_path == ("device" if want_device else "host")
