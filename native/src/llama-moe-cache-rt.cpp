@@ -1659,9 +1659,9 @@ static void plan_prompt_layer(llama_moe_cache_rt & rt, rt_layer & l, bool in_pla
     }
     if (l.staged_plan && !rt.staging) {
         // the stage planned this ubatch of the layer and issued its copies; its admits were settled with them. Where
-        // the copies are in place this graph's notices say where; where the scheduler lost them (a smaller graph
-        // between, which copies at split time over the arena) it writes them again: the residents from the banks, the
-        // rest uploaded, and nothing admitted (the stage's plan did), counted as moved
+        // the copies are in place this graph's notices say where; where the scheduler lost them (an arena made again
+        // between, or a graph it could not hold) it writes them again: the residents from the banks, the rest
+        // uploaded, and nothing admitted (the stage's plan did), counted as moved
         settle_prompt_admits(rt, l); // (while the plan is the stage's: see staged_whole)
         l.staged_plan  = false;
         l.prompt_graph = rt.n_graphs;
