@@ -56,7 +56,7 @@ staged)
 cache)
     order_bench 540 layer-major-cache --reps 1 --discard 0 \
         --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
-        -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -mcm 0,3900 -lm mmap
+        -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -mcm 3900 -lm mmap
     ;;
 short)
     order_bench 200 layer-major-short --reps 3 --discard 1 -- -p 512 -n 128 -ngl 99 -ncmoe 48 -lm none
