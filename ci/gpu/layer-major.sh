@@ -8,10 +8,12 @@
 #   pp4k      pp4096 at ub 512 and 2048, the same placements
 #   pageable  pp32768 at ub 2048 with pageable experts (LLAMA_MOE_PIN_EXPERTS=0, -lm mmap)
 #   pageable-512  the same at ub 512 (llama.cpp's default; ubatch order re-sends every expert 64 times)
-#   staged    pp4096 and pp32768 at ub 512, groups staged ahead (LLAMA_LAYER_MAJOR_GROUPS=8) against one group
+#   staged    pp4096 and pp32768 at ub 512, groups staged ahead (LLAMA_LAYER_MAJOR_GROUPS=$STAGED_GROUPS, 8) against
+#             one group (LLAMA_LAYER_MAJOR_GROUPS=1)
 #   cache     pp32768 at ub 2048, pageable, with a quarter of the expert bytes cached (-mcm 3900): both orders
 #   short     pp512 and tg128 (one ubatch, decode): unchanged
-# ROUNDS (2) sets the rounds of each bench.
+# ROUNDS (2) sets the rounds of each bench; LM_GROUPS=N runs the layer-major side with LLAMA_LAYER_MAJOR_GROUPS=N
+# (unset: the build's default grouping).
 set -uo pipefail
 step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|pageable-512|staged|cache|short}
 . "$(dirname "$0")/common.sh"
@@ -19,8 +21,10 @@ ROUNDS=${ROUNDS:-2}
 
 order_bench() { # $1: seconds, $2: a name, then more pyllama-moe bench arguments up to --, then llama-bench's
     local limit=$1 name=$2; shift 2
+    local groups=()
+    [ -n "${LM_GROUPS:-}" ] && groups=(--candidate-env "LLAMA_LAYER_MAJOR_GROUPS=$LM_GROUPS")
     BENCH_MODEL=$M bench "$limit" --baseline patched --candidate patched \
-        --baseline-env LLAMA_LAYER_MAJOR_PROMPT=0 --candidate-env LLAMA_LAYER_MAJOR_PROMPT=1 \
+        --baseline-env LLAMA_LAYER_MAJOR_PROMPT=0 --candidate-env LLAMA_LAYER_MAJOR_PROMPT=1 "${groups[@]}" \
         --limit-row n_cpu_moe=0 --pin-threads --rounds "$ROUNDS" --warmup-rounds 0 --max-seconds $((limit - 30)) \
         --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt"
 }
@@ -48,7 +52,8 @@ pageable-512)
     ;;
 staged)
     # both sides layer-major: one group where the weights fit (baseline) against groups staged ahead (candidate)
-    BENCH_MODEL=$M bench 560 --baseline patched --candidate patched --candidate-env LLAMA_LAYER_MAJOR_GROUPS=8 \
+    BENCH_MODEL=$M bench 560 --baseline patched --candidate patched --baseline-env LLAMA_LAYER_MAJOR_GROUPS=1 \
+        --candidate-env "LLAMA_LAYER_MAJOR_GROUPS=${STAGED_GROUPS:-8}" \
         --limit-row n_cpu_moe=0 --pin-threads --rounds "$ROUNDS" --warmup-rounds 0 --max-seconds 530 \
         --json "$OUT/layer-major-staged.json" --reps 1 --discard 0 \
         -- -p 4096,32768 -n 0 -b 32768 -ub 512 -ngl 99 -ncmoe 0,48 -lm none 2>&1 | tee "$OUT/layer-major-staged.txt"

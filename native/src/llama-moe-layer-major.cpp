@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <new>
 
 static std::atomic<int32_t> g_layer_major{-1};      // process default, -1: unset
 static std::atomic<int64_t> g_layer_major_mib{-1};  // process default staging budget in MiB, -1: unset
@@ -340,6 +341,33 @@ void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_
         llama_moe_layer_major_say(lm, "the staging arena could not be made to hold two layer groups' host weights: each "
                 "group uploads its own in its first ubatch, overlapping none of the group before");
     }
+}
+
+float * llama_moe_layer_major_rows(llama_moe_layer_major & lm, ggml_backend_sched_t sched, size_t n_floats) {
+    if (lm.hidden != nullptr && lm.hidden_cap >= n_floats) {
+        return lm.hidden;
+    }
+    lm.hidden     = nullptr;
+    lm.hidden_cap = 0;
+    lm.hidden_buf.reset();
+    lm.hidden_pageable.reset();
+    ggml_backend_t backend = offload_backend(sched);
+    ggml_backend_dev_t dev = backend != nullptr ? ggml_backend_get_device(backend) : nullptr;
+    ggml_backend_buffer_type_t pinned = dev != nullptr ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    if (pinned != nullptr) {
+        lm.hidden_buf.reset(ggml_backend_buft_alloc_buffer(pinned, n_floats*sizeof(float)));
+        lm.hidden = lm.hidden_buf ? (float *) ggml_backend_buffer_get_base(lm.hidden_buf.get()) : nullptr;
+    }
+    if (lm.hidden == nullptr) {
+        lm.hidden_pageable.reset(new (std::nothrow) float[n_floats]);
+        lm.hidden = lm.hidden_pageable.get();
+        if (lm.hidden != nullptr && pinned != nullptr) {
+            llama_moe_layer_major_say(lm, "the boundary rows did not fit in pinned host memory: they are pageable, and "
+                    "each ubatch's copy of its rows makes the host wait for its compute");
+        }
+    }
+    lm.hidden_cap = lm.hidden != nullptr ? n_floats : 0;
+    return lm.hidden;
 }
 
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g) {

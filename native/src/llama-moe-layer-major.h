@@ -5,8 +5,10 @@
 #pragma once
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <string>
 #include <utility>
@@ -37,8 +39,16 @@ struct llama_moe_layer_major {
     // the call in progress: the layers the next graph builds, and the boundary rows it reads
     int32_t            il_begin = 0;
     int32_t            il_end   = -1;  // -1: to the last layer
-    std::vector<float> hidden;         // [n_tokens_call][n_embd]: each token's hidden state after the last group run
     const float *      rows = nullptr; // the current ubatch's rows in `hidden`
+
+    // the boundary rows [n_tokens_call][n_embd]: each token's hidden state after the last group run. In the pinned
+    // host memory of the device the groups run on where it has any: a copy to or from pageable memory makes the host
+    // wait for the ubatch's compute, so it could not build the next graph meanwhile. Kept for later calls (a pinned
+    // allocation costs about as much as a short prompt's upload), grown and never shrunk
+    float *                  hidden     = nullptr;
+    size_t                   hidden_cap = 0;       // floats
+    ggml_backend_buffer_ptr  hidden_buf;           // the pinned memory, where it was had
+    std::unique_ptr<float[]> hidden_pageable;      // ... else this
 
     // counters since the context was made or its stats were reset
     uint64_t n_calls           = 0;    // calls computed layer-major
@@ -60,6 +70,10 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
 // the start of a call of several groups: each backend's staging arena made to hold two regions; lm.staging says
 // whether the call stages ahead
 void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched);
+
+// the boundary rows of a call, n_floats values (lm.hidden, grown where it is smaller); nullptr where host memory lacks
+// room. No copy into the old rows may be queued (a call synchronizes before it ends)
+float * llama_moe_layer_major_rows(llama_moe_layer_major & lm, ggml_backend_sched_t sched, size_t n_floats);
 
 // group g's kept copies go to its region (the group's parity) in the graphs built next
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
