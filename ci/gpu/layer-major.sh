@@ -55,8 +55,8 @@ staged)
     BENCH_MODEL=$M bench 560 --baseline patched --candidate patched --baseline-env LLAMA_LAYER_MAJOR_GROUPS=1 \
         --candidate-env "LLAMA_LAYER_MAJOR_GROUPS=${STAGED_GROUPS:-8}" \
         --limit-row n_cpu_moe=0 --pin-threads --rounds "$ROUNDS" --warmup-rounds 0 --max-seconds 530 \
-        --json "$OUT/layer-major-staged.json" --reps 1 --discard 0 \
-        -- -p 4096,32768 -n 0 -b 32768 -ub 512 -ngl 99 -ncmoe 0,48 -lm none 2>&1 | tee "$OUT/layer-major-staged.txt"
+        --json "$OUT/layer-major-staged-g${STAGED_GROUPS:-8}.json" --reps 1 --discard 0 \
+        -- -p 4096,32768 -n 0 -b 32768 -ub 512 -ngl 99 -ncmoe 0,48 -lm none 2>&1 | tee "$OUT/layer-major-staged-g${STAGED_GROUPS:-8}.txt"
     ;;
 cache)
     order_bench 540 layer-major-cache --reps 1 --discard 0 \
