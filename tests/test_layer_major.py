@@ -283,6 +283,22 @@ def test_a_stopped_call_leaves_the_memory_as_the_contract_says(stop_program, mod
     assert int(by[("0", 2)]["last"]) >= 7
 
 
+def test_later_calls_reuse_the_boundary_rows_grown_for_a_larger_one(stop_program, model):
+    # prompts of 16, 40 and 24 tokens in one context: the second outgrows the rows the first left, the third fits
+    # in them. Each is layer-major, and its logits are ubatch order's
+    out = subprocess.run([str(stop_program), str(model), "sizes"], capture_output=True, text=True, timeout=600,
+                         env=clean_env(LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS="2"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [dict(zip(("lm", "call", "n", "ret", "lm_calls", "hash"), line.split()[1::2]))
+            for line in out.stdout.splitlines()]
+    by = {(r["lm"], r["call"]): r for r in rows}
+    assert len(by) == 6
+    for call in ("0", "1", "2"):
+        assert by[("1", call)]["ret"] == "0" and by[("1", call)]["hash"] == by[("0", call)]["hash"]
+        assert by[("1", call)]["lm_calls"] == str(int(call) + 1) and by[("0", call)]["lm_calls"] == "0"
+    assert len({by[("1", c)]["hash"] for c in ("0", "1", "2")}) == 3  # three prompts, three different logits
+
+
 @pytest.fixture(scope="module")
 def gpt_oss():
     return models.ensure_model("gpt-oss", load_matrix(CI_DIR / "matrix.toml").models["gpt-oss"])

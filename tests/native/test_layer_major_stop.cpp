@@ -9,6 +9,10 @@
 // Optional: N_TOKENS N_UBATCH N_CTX (default 40 8 128); a context whose sliding-window cache is smaller than the prompt
 // wraps it within the call, which layer-major order must decline (its stops could not leave the memory as ubatch
 // order does).
+//
+// test_layer_major_stop MODEL sizes: per order, one context decodes prompts of 16, 40 and 24 tokens in turn (the
+// memory cleared between them), so a call's boundary rows outgrow the last call's and then fit in them; each line:
+// lm, the call, the prompt's size, decode's return value, the calls computed layer-major so far, the logits' hash.
 #include "llama.h"
 #include "llama-moe.h"
 
@@ -16,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 struct stop_at {
@@ -91,9 +96,36 @@ static void run(llama_model * model, const std::vector<llama_token> & tokens, co
     llama_free(ctx);
 }
 
+// prompts of several sizes in one context: the rows kept from a call are grown for a larger one and reused after
+static void run_sizes(llama_model * model, const std::vector<llama_token> & tokens, int lm) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx           = 128;
+    cp.n_batch         = (uint32_t) tokens.size();
+    cp.n_ubatch        = 8;
+    cp.n_threads       = 1;
+    cp.n_threads_batch = 1;
+    cp.no_perf         = true;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    llama_moe_set_layer_major_prompt(ctx, lm);
+    int call = 0;
+    for (int n : { 16, 40, 24 }) {
+        llama_memory_clear(llama_get_memory(ctx), true);
+        const std::vector<llama_token> prompt(tokens.begin(), tokens.begin() + n);
+        const int ret = decode_range(ctx, prompt, 0);
+        llama_moe_stats st = {};
+        llama_moe_get_stats(ctx, &st);
+        const uint64_t hash = ret == 0 ? fnv1a(llama_get_logits_ith(ctx, -1), llama_vocab_n_tokens(llama_model_get_vocab(model))) : 0;
+        printf("lm %d call %d n %d ret %d lm_calls %" PRIu64 " hash %016" PRIx64 "\n", lm, call++, n, ret,
+               st.n_layer_major_calls, hash);
+    }
+    fflush(stdout);
+    llama_free(ctx);
+}
+
 int main(int argc, char ** argv) {
-    if (argc != 2 && argc != 5) {
-        fprintf(stderr, "usage: %s MODEL [N_TOKENS N_UBATCH N_CTX]\n", argv[0]);
+    const bool sizes = argc == 3 && std::string(argv[2]) == "sizes";
+    if (argc != 2 && argc != 5 && !sizes) {
+        fprintf(stderr, "usage: %s MODEL [N_TOKENS N_UBATCH N_CTX | sizes]\n", argv[0]);
         return 2;
     }
     const int n_tokens = argc == 5 ? atoi(argv[2]) : 40;
@@ -112,7 +144,10 @@ int main(int argc, char ** argv) {
     for (int i = 0; i < n_tokens; i++) {
         tokens.push_back((i * 7919) % 4000 + 16);
     }
-    for (int lm = 1; lm >= 0; lm--) {
+    for (int lm = 1; lm >= 0 && sizes; lm--) {
+        run_sizes(model, tokens, lm);
+    }
+    for (int lm = 1; lm >= 0 && !sizes; lm--) {
         uint64_t total = 0;
         run(model, tokens, sh, lm, 0, &total);
         // the first node, a third of the way (layer-major: in a group before the last), the last node (the last
