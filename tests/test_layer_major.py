@@ -219,7 +219,9 @@ def test_a_group_reserves_its_graph_once_not_as_its_kv_view_grows(patched_build,
     assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("1024", "8", "4")]
     reallocs = {name: r.stats["prompt"]["n_graph_reallocs"] for name, r in
                 (("ubatch order", base), ("layer-major", got), ("planted", planted))}
-    assert reallocs["layer-major"] <= reallocs["ubatch order"], reallocs
+    # none in layer-major order: a group's graphs fit what it reserved, so a stage queued at the group's start is not
+    # drained by its first graph (the explicit reservations are not counted)
+    assert reallocs["layer-major"] == 0, reallocs
     assert reallocs["planted"] >= reallocs["layer-major"] + 4 * 3, reallocs  # 4 groups, 3 reservations each
 
 
@@ -283,11 +285,13 @@ def test_a_stopped_call_leaves_the_memory_as_the_contract_says(stop_program, mod
     assert int(by[("0", 2)]["last"]) >= 7
 
 
-def test_later_calls_reuse_the_boundary_rows_grown_for_a_larger_one(stop_program, model):
+@pytest.mark.parametrize("env", [{}, {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1"}], ids=["cpu", "sim-host-buffer"])
+def test_later_calls_reuse_the_boundary_rows_grown_for_a_larger_one(stop_program, model, env):
     # prompts of 16, 40 and 24 tokens in one context: the second outgrows the rows the first left, the third fits
-    # in them. Each is layer-major, and its logits are ubatch order's
+    # in them. Each is layer-major, and its logits are ubatch order's. On SIM the rows are in the device's host buffer
+    # type (pinned memory on CUDA), on the CPU in pageable memory
     out = subprocess.run([str(stop_program), str(model), "sizes"], capture_output=True, text=True, timeout=600,
-                         env=clean_env(LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS="2"))
+                         env=clean_env(LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS="2", **env))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [dict(zip(("lm", "call", "n", "ret", "lm_calls", "hash"), line.split()[1::2]))
             for line in out.stdout.splitlines()]

@@ -351,9 +351,15 @@ float * llama_moe_layer_major_rows(llama_moe_layer_major & lm, ggml_backend_sche
     lm.hidden_cap = 0;
     lm.hidden_buf.reset();
     lm.hidden_pageable.reset();
-    ggml_backend_t backend = offload_backend(sched);
-    ggml_backend_dev_t dev = backend != nullptr ? ggml_backend_get_device(backend) : nullptr;
-    ggml_backend_buffer_type_t pinned = dev != nullptr ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    // the host memory of the first device the scheduler computes on (the groups' graphs run there)
+    ggml_backend_buffer_type_t pinned = nullptr;
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(sched) && pinned == nullptr; b++) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(sched, b));
+        if (dev != nullptr && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            pinned = ggml_backend_dev_host_buffer_type(dev);
+            break;
+        }
+    }
     if (pinned != nullptr) {
         lm.hidden_buf.reset(ggml_backend_buft_alloc_buffer(pinned, n_floats*sizeof(float)));
         lm.hidden = lm.hidden_buf ? (float *) ggml_backend_buffer_get_base(lm.hidden_buf.get()) : nullptr;
@@ -361,10 +367,11 @@ float * llama_moe_layer_major_rows(llama_moe_layer_major & lm, ggml_backend_sche
     if (lm.hidden == nullptr) {
         lm.hidden_pageable.reset(new (std::nothrow) float[n_floats]);
         lm.hidden = lm.hidden_pageable.get();
-        if (lm.hidden != nullptr && pinned != nullptr) {
-            llama_moe_layer_major_say(lm, "the boundary rows did not fit in pinned host memory: they are pageable, and "
-                    "each ubatch's copy of its rows makes the host wait for its compute");
-        }
+    }
+    // a device's host buffer type may hand out pageable memory itself where pinning fails (CUDA does)
+    if (lm.hidden != nullptr && pinned != nullptr && (!lm.hidden_buf || ggml_backend_buffer_get_type(lm.hidden_buf.get()) != pinned)) {
+        llama_moe_layer_major_say(lm, "the boundary rows did not fit in pinned host memory: they are pageable, and "
+                "each ubatch's copy of its rows makes the host wait for its compute");
     }
     lm.hidden_cap = lm.hidden != nullptr ? n_floats : 0;
     return lm.hidden;
