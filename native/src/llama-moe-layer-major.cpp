@@ -109,17 +109,23 @@ static std::vector<size_t> layer_bytes(const std::vector<std::vector<ggml_tensor
     return bytes;
 }
 
-// the backend that computes the ops the scheduler offloads from host weights: the first one that takes them (the
-// scheduler's offload order), where the prefetch stages their copies
-static ggml_backend_t offload_backend(ggml_backend_sched_t sched) {
+// the first backend of the scheduler that is not the CPU's (the scheduler's offload order), or nullptr
+static ggml_backend_t first_device_backend(ggml_backend_sched_t sched) {
     for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
         ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
         ggml_backend_dev_t dev = ggml_backend_get_device(backend);
         if (dev != nullptr && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            return ggml_backend_sched_prefetch_enabled(sched, backend) ? backend : nullptr;
+            return backend;
         }
     }
     return nullptr;
+}
+
+// the backend that computes the ops the scheduler offloads from host weights: the first one that takes them, where
+// the prefetch stages their copies
+static ggml_backend_t offload_backend(ggml_backend_sched_t sched) {
+    ggml_backend_t backend = first_device_backend(sched);
+    return backend != nullptr && ggml_backend_sched_prefetch_enabled(sched, backend) ? backend : nullptr;
 }
 
 // the host weights read outside the layers that an offloaded op may copy (the output head, on the host under a partial
@@ -352,14 +358,9 @@ float * llama_moe_layer_major_rows(llama_moe_layer_major & lm, ggml_backend_sche
     lm.hidden_buf.reset();
     lm.hidden_pageable.reset();
     // the host memory of the first device the scheduler computes on (the groups' graphs run there)
-    ggml_backend_buffer_type_t pinned = nullptr;
-    for (int b = 0; b < ggml_backend_sched_get_n_backends(sched) && pinned == nullptr; b++) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(ggml_backend_sched_get_backend(sched, b));
-        if (dev != nullptr && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            pinned = ggml_backend_dev_host_buffer_type(dev);
-            break;
-        }
-    }
+    ggml_backend_t device = first_device_backend(sched);
+    ggml_backend_buffer_type_t pinned = device != nullptr ?
+            ggml_backend_dev_host_buffer_type(ggml_backend_get_device(device)) : nullptr;
     if (pinned != nullptr) {
         lm.hidden_buf.reset(ggml_backend_buft_alloc_buffer(pinned, n_floats*sizeof(float)));
         lm.hidden = lm.hidden_buf ? (float *) ggml_backend_buffer_get_base(lm.hidden_buf.get()) : nullptr;

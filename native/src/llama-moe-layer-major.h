@@ -43,8 +43,8 @@ struct llama_moe_layer_major {
 
     // the boundary rows [n_tokens_call][n_embd]: each token's hidden state after the last group run. In the pinned
     // host memory of the device the groups run on where it has any: a copy to or from pageable memory makes the host
-    // wait for the ubatch's compute, so it could not build the next graph meanwhile. Kept for later calls (a pinned
-    // allocation costs about as much as a short prompt's upload), grown and never shrunk
+    // wait for the ubatch's compute, so it could not build the next graph meanwhile. Kept for later calls, so that a
+    // prompt does not pin memory again; grown and never shrunk
     float *                  hidden     = nullptr;
     size_t                   hidden_cap = 0;       // floats
     ggml_backend_buffer_ptr  hidden_buf;           // the pinned memory, where it was had

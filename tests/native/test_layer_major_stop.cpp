@@ -62,11 +62,11 @@ struct shape {
     int n_ctx    = 128;
 };
 
-static void run(llama_model * model, const std::vector<llama_token> & tokens, const shape & sh, int lm, uint64_t k,
-        uint64_t * calls) {
+// a context of one thread whose batch holds the whole prompt, layer-major prompts on (lm 1) or off
+static llama_context * make_context(llama_model * model, const shape & sh, uint32_t n_batch, int lm) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = sh.n_ctx;
-    cp.n_batch         = (uint32_t) tokens.size();
+    cp.n_batch         = n_batch;
     cp.n_ubatch        = sh.n_ubatch;
     cp.n_threads       = 1;
     cp.n_threads_batch = 1;
@@ -74,6 +74,12 @@ static void run(llama_model * model, const std::vector<llama_token> & tokens, co
     cp.swa_full        = false; // a sliding-window cache of its own size, as llama.cpp's tools make it
     llama_context * ctx = llama_init_from_model(model, cp);
     llama_moe_set_layer_major_prompt(ctx, lm);
+    return ctx;
+}
+
+static void run(llama_model * model, const std::vector<llama_token> & tokens, const shape & sh, int lm, uint64_t k,
+        uint64_t * calls) {
+    llama_context * ctx = make_context(model, sh, (uint32_t) tokens.size(), lm);
     stop_at s;
     s.k = k;
     llama_set_abort_callback(ctx, stop_cb, &s);
@@ -98,15 +104,7 @@ static void run(llama_model * model, const std::vector<llama_token> & tokens, co
 
 // prompts of several sizes in one context: the rows kept from a call are grown for a larger one and reused after
 static void run_sizes(llama_model * model, const std::vector<llama_token> & tokens, int lm) {
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx           = 128;
-    cp.n_batch         = (uint32_t) tokens.size();
-    cp.n_ubatch        = 8;
-    cp.n_threads       = 1;
-    cp.n_threads_batch = 1;
-    cp.no_perf         = true;
-    llama_context * ctx = llama_init_from_model(model, cp);
-    llama_moe_set_layer_major_prompt(ctx, lm);
+    llama_context * ctx = make_context(model, shape{}, (uint32_t) tokens.size(), lm);
     int call = 0;
     for (int n : { 16, 40, 24 }) {
         llama_memory_clear(llama_get_memory(ctx), true);
