@@ -123,6 +123,23 @@ def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, mas
     assert prompt["prefetch_arena_bytes"] < prompt["prefetch_upload_bytes"]
 
 
+TIMES_LINE = re.compile(r"layer-major times: group (\d+) \(layers (\d+)-(\d+)\), (\d+) ubatches: .* uploaded ([\d.]+) MiB "
+                        r"\(([\d.]+) staged\), ([\d.]+) MiB kept, (\d+) reallocations")
+
+
+def test_the_debug_times_say_each_group_before_the_last_once(patched_build, src, model, sim_ubatch_order):
+    # four groups of one layer: groups 0-2 end in the loop that stages the next group's weights and are timed, the
+    # last runs as ubatch order's loop. Each timed group stages the next (its uploads are all staged but the first
+    # group's own), finds its copies kept in its later ubatches and reallocates nothing; the bytes stay ubatch order's
+    got = _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_GROUPS": "8", "LLAMA_LAYER_MAJOR_DEBUG_TIMES": "1"})
+    assert got.logits_sha256 == sim_ubatch_order.logits_sha256
+    lines = [m.groups() for m in TIMES_LINE.finditer(got.log)]
+    assert [(g, a, b, n) for g, a, b, n, *_ in lines] == [("0", "0", "0", "5"), ("1", "1", "1", "5"), ("2", "2", "2", "5")]
+    for g, *_, uploaded, staged, kept, reallocs in lines:
+        assert float(staged) > 0 and float(kept) > 0 and reallocs == "0"
+        assert (float(uploaded) > float(staged)) == (g == "0")
+
+
 # The expert cache in the group loop: the skewed tiny qwen3moe (a few experts take most tokens, so which ones are
 # resident after a prompt shows in the decode hit counts) with a 2 MiB cache, a few of each layer's 16 experts, and a
 # 512-token prompt at ub 128, the prefetch's min batch: 4 ubatches, each uploading ahead

@@ -12,10 +12,13 @@
 #             one group (LLAMA_LAYER_MAJOR_GROUPS=1)
 #   cache     pp32768 at ub 2048, pageable, with a quarter of the expert bytes cached (-mcm 3900): both orders
 #   short     pp512 and tg128 (one ubatch, decode): unchanged
+#   times     where each group's time goes (LLAMA_LAYER_MAJOR_DEBUG_TIMES=1): one patched llama-bench run per
+#             "PROMPT UBATCH GROUPS" of TIMES_RUNS (comma-separated), experts on the host, pinned; the rate and the
+#             group lines of the timed repetition in times.md
 # ROUNDS (2) sets the rounds of each bench; LM_GROUPS=N runs the layer-major side with LLAMA_LAYER_MAJOR_GROUPS=N
 # (unset: the build's default grouping).
 set -uo pipefail
-step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|pageable-512|staged|cache|short}
+step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|pageable-512|staged|cache|short|times}
 . "$(dirname "$0")/common.sh"
 ROUNDS=${ROUNDS:-2}
 
@@ -62,6 +65,22 @@ cache)
     order_bench 540 layer-major-cache --reps 1 --discard 0 \
         --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
         -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -mcm 3900 -lm mmap
+    ;;
+times)
+    bin=$(patched_bin) || exit 1
+    IFS=, read -ra runs <<< "${TIMES_RUNS:-4096 2048 8,4096 512 8,32768 512 8,4096 2048 2,4096 2048 16,32768 512 16}"
+    for run in "${runs[@]}"; do
+        read -r p ub g <<< "$run"
+        log="$OUT/times-pp$p-ub$ub-g$g.log"
+        LLAMA_LAYER_MAJOR_GROUPS=$g LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 timeout 120 "$bin/llama-bench" -m "$M" -p "$p" -n 0 \
+            -b "$p" -ub "$ub" -ngl 99 -ncmoe 48 -lm none -t 15 -r 1 -v > "$log" 2>&1
+        { echo "### pp$p ub $ub, LLAMA_LAYER_MAJOR_GROUPS=$g (exit $?)"; echo
+          grep "^| qwen3moe" "$log" | sed 's/^/    /'
+          # the timed repetition's lines: the last call's, after the warmup's
+          n=$(grep -c "layer-major times: group 0 " "$log")
+          awk -v n="$n" '/layer-major times: group 0 /{k++} k==n && /layer-major times|layer-major prompt:/' "$log" | sed 's/^/    /'
+          echo; } | tee -a "$OUT/times.md"
+    done
     ;;
 short)
     order_bench 200 layer-major-short --reps 3 --discard 1 -- -p 512 -n 128 -ngl 99 -ncmoe 48 -lm none

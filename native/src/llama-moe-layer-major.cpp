@@ -392,6 +392,7 @@ void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_s
     if (!lm.staging || g + 1 >= (int32_t) lm.groups.size()) {
         return;
     }
+    const int64_t t_stage = llama_moe_layer_major_debug_times_on() ? ggml_time_us() : 0;
     // the expert cache writes the copies of its layers' experts (residents from the banks) and plans them as the
     // first graph that reads them would; a layer it reads in place is not staged at all
     llama_moe_cache_set_staging(cache, true);
@@ -411,6 +412,60 @@ void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_s
         ggml_backend_sched_prefetch_stage(sched, backend, (size_t) ((g + 1) % 2) * region, stage.data(), (int) stage.size());
     }
     llama_moe_cache_set_staging(cache, false);
+    if (t_stage != 0) {
+        lm.t_stage  = t_stage;
+        lm.us_stage = ggml_time_us() - t_stage;
+    }
+}
+
+bool llama_moe_layer_major_debug_times_on() {
+    static const bool on = llama_moe_env_whole("LLAMA_LAYER_MAJOR_DEBUG_TIMES", 0, 1) == 1;
+    return on;
+}
+
+void llama_moe_layer_major_group_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched) {
+    if (!llama_moe_layer_major_debug_times_on()) {
+        return;
+    }
+    lm.t_group    = ggml_time_us();
+    lm.t_reserved = 0;
+    lm.t_stage    = 0;
+    lm.us_stage   = 0;
+    ggml_backend_sched_get_stats(sched, &lm.stats_group);
+}
+
+void llama_moe_layer_major_group_reserved(llama_moe_layer_major & lm) {
+    if (llama_moe_layer_major_debug_times_on()) {
+        lm.t_reserved = ggml_time_us();
+    }
+}
+
+void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, uint32_t n_ubatch) {
+    if (!llama_moe_layer_major_debug_times_on()) {
+        ggml_backend_sched_synchronize(sched);
+        return;
+    }
+    const int64_t t_launched = ggml_time_us();
+    // the computes first (every device backend's queue), then the copy queues, which hold the next group's stage
+    for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
+        ggml_backend_synchronize(ggml_backend_sched_get_backend(sched, b));
+    }
+    const int64_t t_computed = ggml_time_us();
+    ggml_backend_sched_synchronize(sched);
+    const int64_t t_drained = ggml_time_us();
+    ggml_backend_sched_stats now = {};
+    ggml_backend_sched_get_stats(sched, &now);
+    const auto ms = [](int64_t us) { return us / 1000.0; };
+    LLAMA_LOG_INFO("llama_moe: layer-major times: group %d (layers %d-%d), %u ubatches: reserve %.2f ms, stage queued at "
+                   "+%.2f ms in %.2f ms, ubatches queued by +%.2f ms, computes done +%.2f ms, copy queues done +%.2f ms "
+                   "(group %.2f ms); uploaded %.1f MiB (%.1f staged), %.1f MiB kept, %" PRIu64 " reallocations\n",
+                   g, lm.il_begin, lm.il_end - 1, n_ubatch, ms(lm.t_reserved - lm.t_group),
+                   lm.t_stage != 0 ? ms(lm.t_stage - lm.t_group) : 0.0, ms(lm.us_stage), ms(t_launched - lm.t_group),
+                   ms(t_computed - t_launched), ms(t_drained - t_computed), ms(t_drained - lm.t_group),
+                   (now.prefetch_upload_bytes - lm.stats_group.prefetch_upload_bytes)/1024.0/1024.0,
+                   (now.prefetch_staged_bytes - lm.stats_group.prefetch_staged_bytes)/1024.0/1024.0,
+                   (now.prefetch_kept_bytes - lm.stats_group.prefetch_kept_bytes)/1024.0/1024.0,
+                   now.n_graph_reallocs - lm.stats_group.n_graph_reallocs);
 }
 
 void llama_moe_default_set_layer_major_prompt(int32_t on) {

@@ -55,6 +55,13 @@ struct llama_moe_layer_major {
     uint64_t upload_bytes      = 0;    // host-weight bytes those calls uploaded
     uint64_t kept_bytes        = 0;    // bytes they found in the staging arena instead of uploading again
     uint64_t last_upload_bytes = 0;    // ... uploaded by the last such call
+
+    // LLAMA_LAYER_MAJOR_DEBUG_TIMES=1: the host times of the group in progress (ggml_time_us), reported at its end
+    int64_t t_group    = 0; // the group began
+    int64_t t_reserved = 0; // its reservation returned
+    int64_t t_stage    = 0; // the stage of the next group's weights began (0: none)
+    int64_t us_stage   = 0; // ... and took this long to queue
+    ggml_backend_sched_stats stats_group = {}; // the scheduler's counters when the group began
 };
 
 // whether a new context computes long prompts layer-major: process default (llama-moe.h setter or
@@ -82,6 +89,21 @@ void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_
 // expert cache (nullptr: none), which writes its layers' copies
 void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
         llama_moe_cache_rt * cache);
+
+// LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 (a measuring aid): whether each group's host times are logged
+bool llama_moe_layer_major_debug_times_on();
+
+// group g begins (its reservation is next): the debug clock starts
+void llama_moe_layer_major_group_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched);
+
+// group g's reservation returned
+void llama_moe_layer_major_group_reserved(llama_moe_layer_major & lm);
+
+// group g's ubatches are all queued: waits for its computes and the next group's stage (the boundary rows are then in
+// host memory). With LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 it waits for the computes first, then for the copy queues, and
+// logs where the group's time went: the wait for the computes shows a group that the device's compute bounds, the
+// wait after it one whose next stage was still uploading
+void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, uint32_t n_ubatch);
 
 // say once per context (at warning level) why a call that took layer-major order gave it up
 void llama_moe_layer_major_say(llama_moe_layer_major & lm, const std::string & why);
