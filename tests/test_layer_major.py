@@ -124,7 +124,8 @@ def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, mas
 
 
 TIMES_LINE = re.compile(r"layer-major times: group (\d+) \(layers (\d+)-(\d+)\), (\d+) ubatches: .* uploaded ([\d.]+) MiB "
-                        r"\(([\d.]+) staged\), ([\d.]+) MiB kept, (\d+) reallocations")
+                        r"\(([\d.]+) staged\), ([\d.]+) MiB kept, (\d+) reallocations, (\d+) host "
+                        r"synchronizations \((\d+) for uploads\) in (\d+) graphs")
 
 
 def test_the_debug_times_say_each_group_before_the_last_once(patched_build, src, model, sim_ubatch_order):
@@ -135,8 +136,8 @@ def test_the_debug_times_say_each_group_before_the_last_once(patched_build, src,
     assert got.logits_sha256 == sim_ubatch_order.logits_sha256
     lines = [m.groups() for m in TIMES_LINE.finditer(got.log)]
     assert [(g, a, b, n) for g, a, b, n, *_ in lines] == [("0", "0", "0", "5"), ("1", "1", "1", "5"), ("2", "2", "2", "5")]
-    for g, *_, uploaded, staged, kept, reallocs in lines:
-        assert float(staged) > 0 and float(kept) > 0 and reallocs == "0"
+    for g, _, _, n, uploaded, staged, kept, reallocs, _, _, graphs in lines:
+        assert float(staged) > 0 and float(kept) > 0 and reallocs == "0" and graphs == n
         assert (float(uploaded) > float(staged)) == (g == "0")
 
 

@@ -13,8 +13,8 @@
 #   cache     pp32768 at ub 2048, pageable, with a quarter of the expert bytes cached (-mcm 3900): both orders
 #   short     pp512 and tg128 (one ubatch, decode): unchanged
 #   times     where each group's time goes (LLAMA_LAYER_MAJOR_DEBUG_TIMES=1): one patched llama-bench run per
-#             "PROMPT UBATCH GROUPS" of TIMES_RUNS (comma-separated), experts on the host, pinned; the rate and the
-#             group lines of the timed repetition in times.md
+#             "PROMPT UBATCH GROUPS [VAR=VALUE...]" of TIMES_RUNS (comma-separated), experts on the host, pinned; the
+#             rate and the group lines of the timed repetition in times.md
 # ROUNDS (2) sets the rounds of each bench; LM_GROUPS=N runs the layer-major side with LLAMA_LAYER_MAJOR_GROUPS=N
 # (unset: the build's default grouping).
 set -uo pipefail
@@ -68,13 +68,13 @@ cache)
     ;;
 times)
     bin=$(patched_bin) || exit 1
-    IFS=, read -ra runs <<< "${TIMES_RUNS:-4096 2048 8,4096 512 8,32768 512 8,4096 2048 2,4096 2048 16,32768 512 16}"
+    IFS=, read -ra runs <<< "${TIMES_RUNS:-32768 512 8,4096 2048 8,4096 512 8,32768 512 8 GGML_SCHED_DEBUG_SKIP_WAIT=1,4096 2048 16,32768 512 2}"
     for run in "${runs[@]}"; do
-        read -r p ub g <<< "$run"
-        log="$OUT/times-pp$p-ub$ub-g$g.log"
-        LLAMA_LAYER_MAJOR_GROUPS=$g LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 timeout 120 "$bin/llama-bench" -m "$M" -p "$p" -n 0 \
-            -b "$p" -ub "$ub" -ngl 99 -ncmoe 48 -lm none -t 15 -r 1 -v > "$log" 2>&1
-        { echo "### pp$p ub $ub, LLAMA_LAYER_MAJOR_GROUPS=$g (exit $?)"; echo
+        read -r p ub g extra <<< "$run"
+        log="$OUT/times-pp$p-ub$ub-g$g${extra:+-${extra//[^A-Za-z0-9]/_}}.log"
+        env $extra LLAMA_LAYER_MAJOR_GROUPS=$g LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 timeout 120 "$bin/llama-bench" -m "$M" \
+            -p "$p" -n 0 -b "$p" -ub "$ub" -ngl 99 -ncmoe 48 -lm none -t 15 -r 1 -v > "$log" 2>&1
+        { echo "### pp$p ub $ub, LLAMA_LAYER_MAJOR_GROUPS=$g $extra (exit $?)"; echo
           grep "^| qwen3moe" "$log" | sed 's/^/    /'
           # the timed repetition's lines: the last call's, after the warmup's
           n=$(grep -c "layer-major times: group 0 " "$log")

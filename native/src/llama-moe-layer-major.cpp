@@ -458,14 +458,17 @@ void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sc
     const auto ms = [](int64_t us) { return us / 1000.0; };
     LLAMA_LOG_INFO("llama_moe: layer-major times: group %d (layers %d-%d), %u ubatches: reserve %.2f ms, stage queued at "
                    "+%.2f ms in %.2f ms, ubatches queued by +%.2f ms, computes done +%.2f ms, copy queues done +%.2f ms "
-                   "(group %.2f ms); uploaded %.1f MiB (%.1f staged), %.1f MiB kept, %" PRIu64 " reallocations\n",
+                   "(group %.2f ms); uploaded %.1f MiB (%.1f staged), %.1f MiB kept, %" PRIu64 " reallocations, %" PRIu64 " host "
+                   "synchronizations (%" PRIu64 " for uploads) in %" PRIu64 " graphs\n",
                    g, lm.il_begin, lm.il_end - 1, n_ubatch, ms(lm.t_reserved - lm.t_group),
                    lm.t_stage != 0 ? ms(lm.t_stage - lm.t_group) : 0.0, ms(lm.us_stage), ms(t_launched - lm.t_group),
                    ms(t_computed - t_launched), ms(t_drained - t_computed), ms(t_drained - lm.t_group),
                    (now.prefetch_upload_bytes - lm.stats_group.prefetch_upload_bytes)/1024.0/1024.0,
                    (now.prefetch_staged_bytes - lm.stats_group.prefetch_staged_bytes)/1024.0/1024.0,
                    (now.prefetch_kept_bytes - lm.stats_group.prefetch_kept_bytes)/1024.0/1024.0,
-                   now.n_graph_reallocs - lm.stats_group.n_graph_reallocs);
+                   now.n_graph_reallocs - lm.stats_group.n_graph_reallocs, now.n_host_syncs - lm.stats_group.n_host_syncs,
+                   now.n_host_syncs_upload - lm.stats_group.n_host_syncs_upload,
+                   now.n_graph_computes - lm.stats_group.n_graph_computes);
 }
 
 void llama_moe_default_set_layer_major_prompt(int32_t on) {
