@@ -20,8 +20,9 @@ from llama_tools import clean_env, cli_refusal
 
 TOKENS = [(i * 7919) % 4000 + 16 for i in range(40)]  # 5 ubatches of 8
 SIM_TOKENS = [(i * 7919) % 4000 + 16 for i in range(160)]  # 5 ubatches of 32: the device computes the host experts
+# SIM pads quantized device rows as ggml-cuda does, so the staged copies of the experts carry padding as on CUDA
 SIM_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SCHED_PREFETCH": "2",
-           "GGML_SCHED_PREFETCH_MIN_BATCH": "32"}
+           "GGML_SCHED_PREFETCH_MIN_BATCH": "32", "GGML_SIM_ROW_PADDING": "512"}
 CALL_LINE = re.compile(r"layer-major prompt: (\d+) tokens in (\d+) ubatches, (\d+) layer groups?: ([\d.]+) MiB of host "
                        r"weights uploaded, ([\d.]+) MiB found kept in place")
 STOP = PROJECT_ROOT / "tests" / "native" / "test_layer_major_stop.cpp"
@@ -145,7 +146,8 @@ def test_the_debug_times_say_each_group_before_the_last_once(patched_build, src,
 # resident after a prompt shows in the decode hit counts) with a 2 MiB cache, a few of each layer's 16 experts, and a
 # 512-token prompt at ub 128, the prefetch's min batch: 4 ubatches, each uploading ahead
 CACHE_PROMPT = [(i * 7919) % 4000 + 16 for i in range(512)]
-CACHE_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SCHED_PREFETCH": "2", "LLAMA_MOE_CACHE_MIB": "2"}
+CACHE_ENV = {"GGML_SIM_DEVICES": "1", "GGML_SIM_POISON": "1", "GGML_SCHED_PREFETCH": "2", "LLAMA_MOE_CACHE_MIB": "2",
+             "GGML_SIM_ROW_PADDING": "512"}
 PLANNER_COUNTS = ("n_ubatches", "n_fills", "n_evictions", "n_seeded")
 
 

@@ -55,6 +55,23 @@ def test_sim_with_poison_and_latency_computes_master_bytes(patched_build, src, q
     assert got.generated == master_logits.generated
 
 
+STAGING_BYTES = re.compile(r"SIM0 host-weight prefetch on: staging [\d.]+ MiB \((\d+) bytes")
+
+
+def test_row_padding_pads_device_allocations_and_keeps_masters_bytes(patched_build, src, qwen3moe, master_logits):
+    # the experts' staged copies (Q8_0, rows shorter than 512) grow by a padded row each, as on CUDA; the bytes do
+    # not, uploaded ahead or copied at split time
+    model, tokens = qwen3moe
+    ahead = {**SIM_ENV, "GGML_SCHED_PREFETCH": "2"}
+    plain = _run(patched_build, src, model, tokens, env=ahead, cpu_moe=True)
+    padded = _run(patched_build, src, model, tokens, env={**ahead, "GGML_SIM_ROW_PADDING": "512"}, cpu_moe=True)
+    at_split = _run(patched_build, src, model, tokens, env={**SIM_ENV, "GGML_SIM_ROW_PADDING": "512"}, cpu_moe=True)
+    sizes = [int(STAGING_BYTES.search(r.log).group(1)) for r in (plain, padded)]
+    assert sizes[1] > sizes[0], sizes
+    for got in (padded, at_split):
+        assert got.logits_sha256 == master_logits.logits_sha256 and got.generated == master_logits.generated
+
+
 def test_skipping_the_scheduler_waits_is_caught(patched_build, src, qwen3moe, master_logits):
     model, tokens = qwen3moe
     got = _run(patched_build, src, model, tokens, env={**SIM_ENV, "GGML_SCHED_DEBUG_SKIP_WAIT": "1"}, cpu_moe=True)

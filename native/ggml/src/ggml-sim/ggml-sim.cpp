@@ -78,6 +78,7 @@ struct sim_config {
     bool        no_masked_ids      = false; // GGML_SIM_NO_MASKED_IDS: the device does not report masked expert ids
     int64_t     offload_min_batch  = 32;
     int         cuda_cc            = 0; // GGML_SIM_CC: the compute capability whose mul_mat_id rule SIM reports
+    int64_t     row_padding        = 0; // GGML_SIM_ROW_PADDING: quantized rows padded as ggml-cuda pads them (0: none)
     std::string oplog_path;
 };
 
@@ -141,6 +142,7 @@ const sim_config & sim_cfg() {
         c.no_masked_ids      = env_double("GGML_SIM_NO_MASKED_IDS", 0) != 0;
         c.offload_min_batch  = (int64_t) env_double("GGML_OP_OFFLOAD_MIN_BATCH", 32);
         c.cuda_cc            = (int) env_double("GGML_SIM_CC", 0);
+        c.row_padding        = std::max<int64_t>(0, (int64_t) env_double("GGML_SIM_ROW_PADDING", 0));
         const char * log = getenv("GGML_SIM_OPLOG");
         c.oplog_path         = log ? log : "";
         return c;
@@ -736,12 +738,25 @@ size_t sim_buft_get_max_size(ggml_backend_buffer_type_t buft) {
     return memory_of((const sim_device *) buft->context);
 }
 
+// GGML_SIM_ROW_PADDING=N: a quantized tensor whose rows are not a multiple of N elements gets one row of the missing
+// elements past its end, as ggml-cuda's device buffers do (MATRIX_ROW_PADDING, 512), so that the paths which place and
+// copy padded allocations (staged weights, their padding zeros) run on SIM
+size_t sim_buft_get_alloc_size(ggml_backend_buffer_type_t buft, const ggml_tensor * tensor) {
+    GGML_UNUSED(buft);
+    size_t size = ggml_nbytes(tensor);
+    const int64_t pad = sim_cfg().row_padding;
+    if (pad > 0 && ggml_is_quantized(tensor->type) && tensor->ne[0] % pad != 0) {
+        size += ggml_row_size(tensor->type, pad - tensor->ne[0] % pad);
+    }
+    return size;
+}
+
 const ggml_backend_buffer_type_i sim_buft_interface = {
     /* .get_name       = */ sim_buft_get_name,
     /* .alloc_buffer   = */ sim_buft_alloc_buffer,
     /* .get_alignment  = */ sim_buft_get_alignment,
     /* .get_max_size   = */ sim_buft_get_max_size,
-    /* .get_alloc_size = */ NULL,
+    /* .get_alloc_size = */ sim_buft_get_alloc_size,
     /* .is_host        = */ NULL,
 };
 
