@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from pyllama_moe.bench.rounds import SIDES, BenchResult, BenchRow
+from pyllama_moe.bench.rounds import BenchResult, BenchRow, per_side
 
 
 def parse_layer_rates(text: str | None) -> dict[int, float]:
@@ -44,12 +44,7 @@ def side_hits(row: BenchRow, side: str) -> dict | None:
 
 def hit_rates(result: BenchResult) -> dict[str, dict]:
     """Per row label with a cache on some side: {"hit_rate": {side: side_hits}} (for the JSON's rows)."""
-    out = {}
-    for row in result.rows.values():
-        sides = {side: h for side in SIDES if (h := side_hits(row, side))}
-        if sides:
-            out[row.label] = {"hit_rate": sides}
-    return out
+    return per_side(result, side_hits, "hit_rate")
 
 
 def _pct(x: float) -> str:

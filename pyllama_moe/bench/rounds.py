@@ -53,6 +53,10 @@ class Sample:
     layer_hit_rates: str | None = None
     # ... and the bytes its decode steps uploaded from the host (the misses' experts: what crossed PCIe)
     upload_bytes: int | None = None
+    # the host-weight bytes this repetition uploaded to the devices ahead of their splits (the prefetch's copies, staged
+    # layer groups included) and those it found kept on a device instead, where the build reports them (host_uploads.py)
+    host_upload_bytes: int | None = None
+    host_kept_bytes: int | None = None
 
 
 @dataclass
@@ -194,6 +198,16 @@ def check_planted_slowdown(env: dict | None, stderr: str, who: str) -> None:
                         "plant the slowdown in a patched build, with a whole number of percent (0..1000)")
 
 
+def per_side(result: BenchResult, side_value, key: str) -> dict[str, dict]:
+    """Per row label where side_value(row, side) is not None for some side: {key: {side: value}} (the JSON's rows)."""
+    out = {}
+    for row in result.rows.values():
+        sides = {side: v for side in SIDES if (v := side_value(row, side)) is not None}
+        if sides:
+            out[row.label] = {key: sides}
+    return out
+
+
 def run_llama_bench(build: Build, args: list[str], env: dict | None = None) -> list[dict]:
     exe = build.tool("llama-bench")
     cmd = [str(exe), *args, "-o", "json"]
@@ -218,11 +232,15 @@ def _add_invocation(result: BenchResult, entries: list[dict], side: str, rnd: in
         hits = entry.get("samples_moe_cache_hit_rate") or []
         layer_hits = entry.get("samples_moe_cache_layer_hit_rates") or []
         uploads = entry.get("samples_moe_cache_upload_bytes") or []
+        host_up = entry.get("samples_host_upload_bytes") or []
+        host_kept = entry.get("samples_host_kept_bytes") or []
         for rep, ts in enumerate(entry.get("samples_ts") or [entry["avg_ts"]]):
             hit = float(hits[rep]) if rep < len(hits) and hits[rep] >= 0 else None
             layers = layer_hits[rep] if rep < len(layer_hits) and hit is not None else None
             uploaded = int(uploads[rep]) if rep < len(uploads) and hit is not None else None
-            row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard, hit, layers, uploaded))
+            row.samples.append(Sample(side, rnd, invocation, rep, float(ts), rep < discard, hit, layers, uploaded,
+                                      int(host_up[rep]) if rep < len(host_up) else None,
+                                      int(host_kept[rep]) if rep < len(host_kept) else None))
     _unique_labels(list(result.rows.values()))
 
 

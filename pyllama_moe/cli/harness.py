@@ -198,7 +198,7 @@ def _env_pairs(values: list[str] | None, flag: str) -> dict:
 
 
 def run_bench(args, model: Path) -> str:
-    from pyllama_moe.bench import hits as bench_hits, limits as bench_limits, rounds as bench
+    from pyllama_moe.bench import hits as bench_hits, host_uploads as bench_host, limits as bench_limits, rounds as bench
     from pyllama_moe.build.builder import resolve
 
     def build(variant: str, archive: Path | None):  # only the tools bench runs, so a bench-only build dir is enough
@@ -251,11 +251,14 @@ def run_bench(args, model: Path) -> str:
         limits = bench_limits.limit_shares(result, *limit, limit_from=args.limit_from) if limit else {}
         pcie = bench_limits.pcie_columns(result, model, probes) if probes else {}
         hits = bench_hits.hit_rates(result)
+        host = bench_host.host_uploads(result)
         bound = bench_limits.cache_bound(result, limits, hits, probes)
-        rows = {label: {**limits.get(label, {}), **pcie.get(label, {}), **hits.get(label, {}), **bound.get(label, {})}
-                for label in {*limits, *pcie, *hits, *bound}}
+        rows = {label: {**limits.get(label, {}), **pcie.get(label, {}), **hits.get(label, {}), **bound.get(label, {}),
+                        **host.get(label, {})}
+                for label in {*limits, *pcie, *hits, *bound, *host}}
         columns = bench_limits.limit_columns(limits, pcie, names, bound)
-        for label, cols in bench_hits.hit_columns(hits, names).items():
+        for label, cols in [*bench_hits.hit_columns(hits, names).items(),
+                            *bench_host.host_upload_columns(host, names).items()]:
             columns.setdefault(label, {}).update(cols)
         return rows, columns
 
