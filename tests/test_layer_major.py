@@ -137,6 +137,8 @@ def test_the_debug_times_say_each_group_before_the_last_once(patched_build, src,
     assert got.logits_sha256 == sim_ubatch_order.logits_sha256
     lines = [m.groups() for m in TIMES_LINE.finditer(got.log)]
     assert [(g, a, b, n) for g, a, b, n, *_ in lines] == [("0", "0", "0", "5"), ("1", "1", "1", "5"), ("2", "2", "2", "5")]
+    # and one line for the call: its set-up, its groups before the last, its last group
+    assert len(re.findall(r"layer-major call times: from its plan, groups set up by \+[\d.]+ ms", got.log)) == 1
     for g, _, _, n, uploaded, staged, kept, reallocs, _, _, graphs in lines:
         assert float(staged) > 0 and float(kept) > 0 and reallocs == "0" and graphs == n
         assert (float(uploaded) > float(staged)) == (g == "0")
