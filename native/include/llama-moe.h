@@ -119,6 +119,8 @@ struct llama_moe_stats {
     uint64_t layer_major_last_upload_bytes; // ... the last of them
     uint64_t n_graph_reallocs;      // graph allocations that reserved the compute buffers again (each waits for every
                                     // device queue): a graph that did not fit the reservation, or a changed placement
+    uint64_t n_reserves_in_place;   // reservations that did not wait for the queued work (a layer group's graph reserved
+                                    // while the group before computes, where the compute buffers hold it)
 };
 
 LLAMA_MOE_API void llama_moe_get_stats  (const struct llama_context * ctx, struct llama_moe_stats * stats);

@@ -337,6 +337,8 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
 }
 
 void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched) {
+    lm.rows_ordered = true;
+    std::fill(lm.rows_pending.begin(), lm.rows_pending.end(), false);
     lm.staging = lm.groups.size() > 1 && !lm.regions.empty();
     for (const auto & [backend, region] : lm.regions) {
         // every backend asked, so that none keeps two regions for a call that stages on none
@@ -376,6 +378,33 @@ float * llama_moe_layer_major_rows(llama_moe_layer_major & lm, ggml_backend_sche
     }
     lm.hidden_cap = lm.hidden != nullptr ? n_floats : 0;
     return lm.hidden;
+}
+
+void llama_moe_layer_major_rows_queued(llama_moe_layer_major & lm, ggml_backend_t backend, uint32_t u) {
+    if (!lm.rows_ordered) {
+        return;
+    }
+    if (lm.rows_done.size() <= u) {
+        lm.rows_done.resize(u + 1);
+        lm.rows_pending.resize(u + 1, false);
+    }
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    if (!lm.rows_done[u] && dev != nullptr) {
+        lm.rows_done[u].reset(ggml_backend_event_new(dev));
+    }
+    if (!lm.rows_done[u]) {
+        lm.rows_ordered = false; // no events here (the CPU backend's download is done when it returns anyway)
+        return;
+    }
+    ggml_backend_event_record(lm.rows_done[u].get(), backend);
+    lm.rows_pending[u] = true;
+}
+
+void llama_moe_layer_major_rows_wait(llama_moe_layer_major & lm, uint32_t u) {
+    if (u < lm.rows_pending.size() && lm.rows_pending[u]) {
+        ggml_backend_event_synchronize(lm.rows_done[u].get());
+        lm.rows_pending[u] = false;
+    }
 }
 
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g) {
@@ -442,7 +471,9 @@ void llama_moe_layer_major_group_reserved(llama_moe_layer_major & lm) {
 
 void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, uint32_t n_ubatch) {
     if (!llama_moe_layer_major_debug_times_on()) {
-        ggml_backend_sched_synchronize(sched);
+        if (!lm.rows_ordered) {
+            ggml_backend_sched_synchronize(sched);
+        }
         return;
     }
     const int64_t t_launched = ggml_time_us();

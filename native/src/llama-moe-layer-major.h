@@ -50,6 +50,15 @@ struct llama_moe_layer_major {
     ggml_backend_buffer_ptr  hidden_buf;           // the pinned memory, where it was had
     std::unique_ptr<float[]> hidden_pageable;      // ... else this
 
+    // the downloads of the boundary rows, one event per ubatch of the call: a group's ubatch reads its rows once the
+    // group before has downloaded them, without waiting for the rest of that group, so a group's first graph is
+    // prepared while the device still computes the group before. (On one device the scheduler's wait before each
+    // graph's input copies orders them too; the events make that order not depend on it, e.g. across devices.) Where
+    // a device has no events the call's groups end in a synchronization instead (rows_ordered false)
+    std::vector<ggml_backend_event_ptr> rows_done;    // [ubatch]
+    std::vector<bool>                   rows_pending; // [ubatch] recorded and not waited for yet
+    bool                                rows_ordered = true;
+
     // counters since the context was made or its stats were reset
     uint64_t n_calls           = 0;    // calls computed layer-major
     uint64_t upload_bytes      = 0;    // host-weight bytes those calls uploaded
@@ -82,6 +91,12 @@ void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_
 // room. No copy into the old rows may be queued (a call synchronizes before it ends)
 float * llama_moe_layer_major_rows(llama_moe_layer_major & lm, ggml_backend_sched_t sched, size_t n_floats);
 
+// the download of ubatch u's boundary rows was queued on backend: recorded, so that the next group waits for it alone
+void llama_moe_layer_major_rows_queued(llama_moe_layer_major & lm, ggml_backend_t backend, uint32_t u);
+
+// before ubatch u's boundary rows are read: waits for their download by the group before
+void llama_moe_layer_major_rows_wait(llama_moe_layer_major & lm, uint32_t u);
+
 // group g's kept copies go to its region (the group's parity) in the graphs built next
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
 
@@ -99,10 +114,11 @@ void llama_moe_layer_major_group_begin(llama_moe_layer_major & lm, ggml_backend_
 // group g's reservation returned
 void llama_moe_layer_major_group_reserved(llama_moe_layer_major & lm);
 
-// group g's ubatches are all queued: waits for its computes and the next group's stage (the boundary rows are then in
-// host memory). With LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 it waits for the computes first, then for the copy queues, and
+// group g's ubatches are all queued. The next group goes on without waiting where every download of the boundary rows
+// was recorded (each of its ubatches waits for its own rows); else this waits for the group's computes and the next
+// group's stage. With LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 it waits for the computes first, then for the copy queues, and
 // logs where the group's time went: the wait for the computes shows a group that the device's compute bounds, the
-// wait after it one whose next stage was still uploading
+// wait after it one whose next stage was still uploading (so the debug times time each group apart)
 void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, uint32_t n_ubatch);
 
 // say once per context (at warning level) why a call that took layer-major order gave it up
