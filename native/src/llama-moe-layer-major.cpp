@@ -386,11 +386,19 @@ void llama_moe_layer_major_rows_queued(llama_moe_layer_major & lm, ggml_backend_
     }
     if (lm.rows_done.size() <= u) {
         lm.rows_done.resize(u + 1);
+        lm.rows_dev.resize(u + 1, nullptr);
         lm.rows_pending.resize(u + 1, false);
     }
+    // an event is recorded on a stream of its own device only: a group that ends on another device gets a new one
+    // (the old one was waited for before this group's ubatch read the rows)
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    if (lm.rows_done[u] && lm.rows_dev[u] != dev) {
+        GGML_ASSERT(!lm.rows_pending[u]);
+        lm.rows_done[u].reset();
+    }
     if (!lm.rows_done[u] && dev != nullptr) {
         lm.rows_done[u].reset(ggml_backend_event_new(dev));
+        lm.rows_dev[u] = dev;
     }
     if (!lm.rows_done[u]) {
         lm.rows_ordered = false; // no events here (the CPU backend's download is done when it returns anyway)

@@ -50,12 +50,14 @@ struct llama_moe_layer_major {
     ggml_backend_buffer_ptr  hidden_buf;           // the pinned memory, where it was had
     std::unique_ptr<float[]> hidden_pageable;      // ... else this
 
-    // the downloads of the boundary rows, one event per ubatch of the call: a group's ubatch reads its rows once the
-    // group before has downloaded them, without waiting for the rest of that group, so a group's first graph is
-    // prepared while the device still computes the group before. (On one device the scheduler's wait before each
-    // graph's input copies orders them too; the events make that order not depend on it, e.g. across devices.) Where
-    // a device has no events the call's groups end in a synchronization instead (rows_ordered false)
+    // the downloads of the boundary rows, one event per ubatch of the call: a group's ubatch reads its rows (on the
+    // host, when its inputs are set) once the group before has downloaded them, without waiting for the rest of that
+    // group, so a group's first graph is prepared while the device still computes the group before. Each event belongs
+    // to the device whose backend downloaded the rows last (the group's last layer's: with layers split across
+    // devices, groups end on different ones). Where a device has no events the call's later groups end in a
+    // synchronization instead (rows_ordered false)
     std::vector<ggml_backend_event_ptr> rows_done;    // [ubatch]
+    std::vector<ggml_backend_dev_t>     rows_dev;     // [ubatch] the device of rows_done
     std::vector<bool>                   rows_pending; // [ubatch] recorded and not waited for yet
     bool                                rows_ordered = true;
 

@@ -1211,6 +1211,8 @@ std::shared_ptr<sim_event_state> event_state(ggml_backend_event_t event) {
 }
 
 void sim_backend_event_record(ggml_backend_t backend, ggml_backend_event_t event) {
+    // CUDA fails a cudaEventRecord whose event and stream belong to different devices (ggml-cuda aborts)
+    GGML_ASSERT(event->device == backend->device && "an event recorded on a stream of another device");
     sim_stream * st = stream_of(backend);
     std::shared_ptr<sim_event_state> ev = event_state(event);
     const uint64_t r = ev->issue();
