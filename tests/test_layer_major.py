@@ -267,15 +267,17 @@ def test_a_group_is_reserved_and_staged_while_the_group_before_still_computes(pa
 
 
 def test_groups_that_end_on_different_devices_download_their_rows_in_order(patched_build, src, model):
-    # two SIM devices, the layers split between them, one layer's experts on the host: group 0 ends on SIM0 and group 2
-    # on SIM1, so the event behind a ubatch's boundary rows is made again on the device of the group that downloads
-    # them (SIM aborts on an event recorded on another device's stream, as CUDA does)
-    env = {"GGML_SIM_DEVICES": "2", "LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "1"}
+    # two SIM devices, the second with three times the memory, so the layers split 2/2 (and the output to SIM1); one
+    # layer's experts on the host. The groups of layers 0 and 1 end on SIM0, the group of layer 2 on SIM1, so the
+    # event behind a ubatch's boundary rows is made again on the device of the group that downloads them (SIM aborts
+    # on an event recorded on another device's stream, as CUDA does)
+    env = {"GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "1000,3000", "LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "1"}
     spec = dict(tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=2, n_cpu_moe=1, load_mode="none",
                 repack=False, stats=True)
     base, got = (runner.run(patched_build, src, runner.RunSpec(model=model, env={**SIM_ENV, **env, **extra}, **spec))
                  for extra in ({"LLAMA_LAYER_MAJOR_PROMPT": "0"}, {}))
-    assert re.search(r"layer +2 assigned to device SIM1", got.log), "the layers were not split across the devices"
+    assert re.search(r"SIM0 model buffer size", got.log) and re.search(r"SIM1 model buffer size", got.log), \
+        "the layers were not split across the devices"
     assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "4")]
     assert got.logits_sha256 == base.logits_sha256
     assert got.decode_logits_sha256 == base.decode_logits_sha256

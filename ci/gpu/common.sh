@@ -18,6 +18,7 @@ start_builds() { # both builds at once, -j 8 each, detached; each writes /tmp/pl
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     for v in master patched; do
         rm -f /tmp/plm-$v.rc
+        : > /tmp/plm-build-$v.log  # before it starts: wait_builds tells a build under way from none
         targets=$(eval echo "\${TARGETS_$v:-}")
         setsid bash -c "python3 -m pyllama_moe build --backend cuda --variant $v --archive $A/llama.cpp-$v.tar.gz -j 8 \
             ${targets:+--targets $targets} > /tmp/plm-build-$v.log 2>&1; echo \$? > /tmp/plm-$v.rc" > /dev/null 2>&1 < /dev/null &
@@ -92,6 +93,9 @@ print(m, ensure_corpus(m))')
 wait_builds() { # $1: seconds since the script started to wait at most; 0 when both builds finished and succeeded
     # (BUILD_VARIANTS=patched: only that one, where a script builds nothing else)
     for v in ${BUILD_VARIANTS:-master patched}; do
+        # a build that was never started (a later call that ran build-patched alone before) would be waited for in vain
+        [ -f /tmp/plm-$v.rc ] || [ -f /tmp/plm-build-$v.log ] || {
+            echo "no $v build was started on this machine: run its build step first, or set BUILD_VARIANTS=patched"; return 1; }
         while [ ! -f /tmp/plm-$v.rc ]; do
             [ $((SECONDS - T0)) -ge "$1" ] && { echo "build $v still running after $((SECONDS - T0)) s"; return 2; }
             sleep 5
