@@ -283,6 +283,24 @@ def test_groups_that_end_on_different_devices_download_their_rows_in_order(patch
     assert got.decode_logits_sha256 == base.decode_logits_sha256
 
 
+@pytest.mark.parametrize("order", ["0", "1"], ids=["ubatch-order", "layer-major"])
+def test_a_ubatch_without_outputs_skips_its_last_layers_empty_inputs(patched_build, src, model, order):
+    # only the prompt's last token is an output, so the other ubatches drop every row at the last layer, whose host
+    # experts then run in a CPU split for no token. Its empty inputs are neither copied nor waited for (a wait there
+    # stops the host until the device is idle); the generation is what every position's logits give
+    env = {"LLAMA_LAYER_MAJOR_PROMPT": order, "LLAMA_LAYER_MAJOR_GROUPS": "8"}
+    spec = runner.RunSpec(model=model, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=4,
+                          cpu_moe=True, load_mode="none", repack=False, stats=True, want_logits=False,
+                          env={**SIM_ENV, **env})
+    last_only = runner.run(patched_build, src, spec)
+    every = _sim_run(patched_build, src, model, env)
+    assert last_only.generated == every.generated
+    assert last_only.decode_logits_sha256 == every.decode_logits_sha256
+    # 4 of the 5 ubatches have no output; each skips at least the CPU split's inputs and its output's copy back
+    assert last_only.stats["prompt"]["n_empty_inputs"] >= 4 * 2, last_only.stats["prompt"]
+    assert every.stats["prompt"]["n_empty_inputs"] == 0
+
+
 def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_build, src, model, sim_ubatch_order):
     got = _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_STAGING_MIB": "2"})  # a group may stage half
     assert got.logits_sha256 == sim_ubatch_order.logits_sha256

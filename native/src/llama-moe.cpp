@@ -162,6 +162,7 @@ void llama_moe_get_stats(const llama_context * ctx, llama_moe_stats * stats) {
     stats->prefetch_staged_bytes = s.prefetch_staged_bytes;
     stats->n_graph_reallocs      = s.n_graph_reallocs;
     stats->n_reserves_in_place   = s.n_reserves_in_place;
+    stats->n_empty_inputs        = s.n_empty_inputs;
     const llama_moe_layer_major & lm = ctx->get_layer_major();
     stats->n_layer_major_calls           = lm.n_calls;
     stats->layer_major_upload_bytes      = lm.upload_bytes;
