@@ -78,7 +78,7 @@ times)
           grep "^| qwen3moe" "$log" | sed 's/^/    /'
           # the timed repetition's lines: the last call's, after the warmup's
           n=$(grep -c "layer-major times: group 0 " "$log")
-          awk -v n="$n" '/layer-major times: group 0 /{k++} k==n && /layer-major times|layer-major prompt:/' "$log" | sed 's/^/    /'
+          awk -v n="$n" '/layer-major times: group 0 /{k++} k==n && /layer-major times|layer-major call times|layer-major prompt:/' "$log" | sed 's/^/    /'
           echo; } | tee -a "$OUT/times.md"
     done
     ;;
