@@ -84,11 +84,13 @@ def test_a_ubatch_computed_before_the_ubatches_ahead_of_it_is_caught(patched_bui
     _same_bytes(runner.run(patched_build, src, _cpu_spec(model, {**env, "LLAMA_LAYER_MAJOR_PROMPT": "0"})), master_cpu)
 
 
-def _sim_run(build, src, model, env, *, tokens=SIM_TOKENS, n_ubatch=32, base_env=SIM_ENV, generate=4):
-    """The prompt as one decode call on SIM with every expert on the host, then `generate` tokens."""
+def _sim_run(build, src, model, env, *, tokens=SIM_TOKENS, n_ubatch=32, base_env=SIM_ENV, generate=4,
+             want_logits=True):
+    """The prompt as one decode call on SIM with every expert on the host, then `generate` tokens. want_logits False:
+    the prompt outputs its last token alone, as llama-bench's and a chat's prompts do."""
     spec = runner.RunSpec(model=model, tokens=tokens, n_ubatch=n_ubatch, n_batch=max(256, len(tokens)), threads=2,
                           generate=generate, cpu_moe=True, load_mode="none", repack=False, stats=True,
-                          env={**base_env, **env})
+                          want_logits=want_logits, env={**base_env, **env})
     return runner.run(build, src, spec)
 
 
@@ -245,6 +247,24 @@ def test_a_group_reserves_its_graph_once_not_as_its_kv_view_grows(patched_build,
     # drained by its first graph (the explicit reservations are not counted)
     assert reallocs["layer-major"] == 0, reallocs
     assert reallocs["planted"] >= reallocs["layer-major"] + 4 * 3, reallocs  # 4 groups, 3 reservations each
+
+
+def test_the_last_group_reserves_its_graph_once_when_the_prompt_outputs_its_last_token_alone(patched_build, src, model):
+    # the same prompt with the last token's logits alone: every ubatch but the last drops all its rows before the last
+    # layer, so the last group's graphs have other nodes than a reservation for every token's output. Reserved with
+    # the outputs of the call's first ubatch they fit; reserved for every output (as the context's own reservation),
+    # the last group's first graph reserved again, and so did each later one whose KV view grew
+    def run(env):
+        return _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_GROUPS": "8", **env}, n_ubatch=128, generate=2,
+                        tokens=[(i * 7919) % 4000 + 16 for i in range(1024)], want_logits=False)
+
+    base, got = run({"LLAMA_LAYER_MAJOR_PROMPT": "0"}), run({})
+    assert got.generated == base.generated
+    assert got.decode_logits_sha256 == base.decode_logits_sha256
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("1024", "8", "4")]
+    assert got.stats["prompt"]["n_graph_reallocs"] == 0, got.stats["prompt"]
+    # ubatch order pays what the last group did: its graphs reserve again as the view grows (4 of 8 ubatches here)
+    assert base.stats["prompt"]["n_graph_reallocs"] >= 4, base.stats["prompt"]
 
 
 def test_a_group_is_reserved_and_staged_while_the_group_before_still_computes(patched_build, src, model):
