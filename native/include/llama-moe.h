@@ -121,8 +121,9 @@ struct llama_moe_stats {
                                     // device queue): a graph that did not fit the reservation, or a changed placement
     uint64_t n_reserves_in_place;   // reservations that did not wait for the queued work (a layer group's graph reserved
                                     // while the group before computes, where the compute buffers hold it)
-    uint64_t n_empty_inputs;        // graph-split inputs of no bytes, neither copied nor waited for (e.g. the last
-                                    // layer's rows of a ubatch without outputs, whose host experts the CPU computes)
+    uint64_t n_empty_inputs;        // graph-split inputs of no bytes in splits whose every node is empty, neither
+                                    // copied nor waited for (e.g. the last layer's rows of a ubatch without outputs,
+                                    // whose host experts the CPU computes for no token)
 };
 
 LLAMA_MOE_API void llama_moe_get_stats  (const struct llama_context * ctx, struct llama_moe_stats * stats);

@@ -338,7 +338,9 @@ llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, 
 
 void llama_moe_layer_major_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched) {
     lm.rows_ordered = true;
-    std::fill(lm.rows_pending.begin(), lm.rows_pending.end(), false);
+    for (auto & d : lm.rows_downloads) {
+        d.pending = false;
+    }
     lm.staging = lm.groups.size() > 1 && !lm.regions.empty();
     for (const auto & [backend, region] : lm.regions) {
         // every backend asked, so that none keeps two regions for a call that stages on none
@@ -384,34 +386,33 @@ void llama_moe_layer_major_rows_queued(llama_moe_layer_major & lm, ggml_backend_
     if (!lm.rows_ordered) {
         return;
     }
-    if (lm.rows_done.size() <= u) {
-        lm.rows_done.resize(u + 1);
-        lm.rows_dev.resize(u + 1, nullptr);
-        lm.rows_pending.resize(u + 1, false);
+    if (lm.rows_downloads.size() <= u) {
+        lm.rows_downloads.resize(u + 1);
     }
+    auto & d = lm.rows_downloads[u];
     // an event is recorded on a stream of its own device only: a group that ends on another device gets a new one
     // (the old one was waited for before this group's ubatch read the rows)
     ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-    if (lm.rows_done[u] && lm.rows_dev[u] != dev) {
-        GGML_ASSERT(!lm.rows_pending[u]);
-        lm.rows_done[u].reset();
+    if (d.done && d.dev != dev) {
+        GGML_ASSERT(!d.pending);
+        d.done.reset();
     }
-    if (!lm.rows_done[u] && dev != nullptr) {
-        lm.rows_done[u].reset(ggml_backend_event_new(dev));
-        lm.rows_dev[u] = dev;
+    if (!d.done && dev != nullptr) {
+        d.done.reset(ggml_backend_event_new(dev));
+        d.dev = dev;
     }
-    if (!lm.rows_done[u]) {
+    if (!d.done) {
         lm.rows_ordered = false; // no events here (the CPU backend's download is done when it returns anyway)
         return;
     }
-    ggml_backend_event_record(lm.rows_done[u].get(), backend);
-    lm.rows_pending[u] = true;
+    ggml_backend_event_record(d.done.get(), backend);
+    d.pending = true;
 }
 
 void llama_moe_layer_major_rows_wait(llama_moe_layer_major & lm, uint32_t u) {
-    if (u < lm.rows_pending.size() && lm.rows_pending[u]) {
-        ggml_backend_event_synchronize(lm.rows_done[u].get());
-        lm.rows_pending[u] = false;
+    if (u < lm.rows_downloads.size() && lm.rows_downloads[u].pending) {
+        ggml_backend_event_synchronize(lm.rows_downloads[u].done.get());
+        lm.rows_downloads[u].pending = false;
     }
 }
 

@@ -56,10 +56,13 @@ struct llama_moe_layer_major {
     // to the device whose backend downloaded the rows last (the group's last layer's: with layers split across
     // devices, groups end on different ones). Where a device has no events the call's later groups end in a
     // synchronization instead (rows_ordered false)
-    std::vector<ggml_backend_event_ptr> rows_done;    // [ubatch]
-    std::vector<ggml_backend_dev_t>     rows_dev;     // [ubatch] the device of rows_done
-    std::vector<bool>                   rows_pending; // [ubatch] recorded and not waited for yet
-    bool                                rows_ordered = true;
+    struct rows_download {
+        ggml_backend_event_ptr done;              // recorded behind the download
+        ggml_backend_dev_t     dev     = nullptr; // the device of `done`
+        bool                   pending = false;   // recorded and not waited for yet
+    };
+    std::vector<rows_download> rows_downloads; // [ubatch]
+    bool                       rows_ordered = true;
 
     // counters since the context was made or its stats were reset
     uint64_t n_calls           = 0;    // calls computed layer-major
