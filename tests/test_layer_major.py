@@ -270,9 +270,10 @@ def test_the_last_group_reserves_its_graph_once_when_the_prompt_outputs_its_last
 def test_a_group_is_reserved_and_staged_while_the_group_before_still_computes(patched_build, src, model):
     # the device is slow here (SIM waits 3 ms before each compute), so the host reaches a group's start while the group
     # before still computes. The group's graph and the last group's graph (its layers and the output head) are reserved
-    # without waiting (the compute buffers hold them), and the stage of the group after next, which overwrites the region the group before
-    # reads, waits on the copy queue for its computes: the planted GGML_SCHED_PREFETCH_DEBUG_STAGE_NO_WAIT, a stage that
-    # does not wait, overwrites weights still to be read and changes the logits
+    # without waiting (the compute buffers hold them), and the stage of the group after next, which overwrites the
+    # region the group before reads, waits on the copy queue for its computes: the planted
+    # GGML_SCHED_PREFETCH_DEBUG_STAGE_NO_WAIT, a stage that does not wait, overwrites weights still to be read and changes
+    # the logits
     env = {"LLAMA_LAYER_MAJOR_GROUPS": "8", "GGML_SIM_COMPUTE_LATENCY_US": "3000"}
     base = _sim_run(patched_build, src, model, {**env, "LLAMA_LAYER_MAJOR_PROMPT": "0"})
     got = _sim_run(patched_build, src, model, env)
@@ -309,10 +310,7 @@ def test_a_ubatch_without_outputs_skips_its_last_layers_empty_inputs(patched_bui
     # experts then run in a CPU split for no token. Its empty inputs are neither copied nor waited for (a wait there
     # stops the host until the device is idle); the generation is what every position's logits give
     env = {"LLAMA_LAYER_MAJOR_PROMPT": order, "LLAMA_LAYER_MAJOR_GROUPS": "8"}
-    spec = runner.RunSpec(model=model, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=4,
-                          cpu_moe=True, load_mode="none", repack=False, stats=True, want_logits=False,
-                          env={**SIM_ENV, **env})
-    last_only = runner.run(patched_build, src, spec)
+    last_only = _sim_run(patched_build, src, model, env, want_logits=False)
     every = _sim_run(patched_build, src, model, env)
     assert last_only.generated == every.generated
     assert last_only.decode_logits_sha256 == every.decode_logits_sha256
