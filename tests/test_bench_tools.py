@@ -37,6 +37,23 @@ def test_copy_probe_measures_the_simulated_device(patched_build):
     assert none.returncode == 1 and "no GPU device registered" in none.stderr and none.stdout == ""
 
 
+def test_copy_probe_times_an_upload_queued_behind_another_on_a_second_queue(patched_build):
+    exe = patched_build.tool(bench_limits.PROBE)
+    proc = subprocess.run([str(exe), "--mib", "16", "--small", "2", "--reps", "3"], capture_output=True, text=True,
+                          env=_env_without_sim(GGML_SIM_DEVICES="1"))
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["small_bytes"] == 2 << 20
+    # behind the large upload the small one can finish no earlier than alone, and the large one no earlier than it
+    # (SIM copies on the calling thread: the small one waits for the whole large one)
+    assert 0 < d["small_alone_ms"] <= d["small_behind_ms"] <= d["large_ms"]
+    assert 0 < d["small_behind_pieces_ms"] <= d["large_pieces_ms"]
+    for args, what in ((["--mib", "4", "--small", "8"], "larger than --mib"), (["--small", "0"], "--small needs")):
+        bad = subprocess.run([str(exe), *args], capture_output=True, text=True,
+                             env=_env_without_sim(GGML_SIM_DEVICES="1"))
+        assert bad.returncode == 2 and what in bad.stderr and bad.stdout == "", (args, bad.stderr)
+
+
 def test_bench_takes_the_probe_from_the_build_that_has_it(patched_build, master_build, monkeypatch):
     monkeypatch.setenv("GGML_SIM_DEVICES", "1")
     found = bench_limits.run_copy_probe({"baseline": master_build, "candidate": patched_build}, mib=8)

@@ -271,19 +271,21 @@ def test_a_group_is_reserved_and_staged_while_the_group_before_still_computes(pa
     # the device is slow here (SIM waits 3 ms before each compute), so the host reaches a group's start while the group
     # before still computes. The group's graph and the last group's graph (its layers and the output head) are reserved
     # without waiting (the compute buffers hold them), and the stage of the group after next, which overwrites the
-    # region the group before reads, waits on the copy queue for its computes: the planted
-    # GGML_SCHED_PREFETCH_DEBUG_STAGE_NO_WAIT, a stage that does not wait, overwrites weights still to be read and changes
-    # the logits
+    # region the group before reads, begins with a wait on the copy queue for its computes. Its parts follow the
+    # group's ubatches, whose input uploads have made the host wait for the group before already; queued whole at the
+    # group's start (LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE), only that wait keeps it off the weights still to be read:
+    # the planted GGML_SCHED_PREFETCH_DEBUG_STAGE_NO_WAIT drops it and changes the logits
     env = {"LLAMA_LAYER_MAJOR_GROUPS": "8", "GGML_SIM_COMPUTE_LATENCY_US": "3000"}
     base = _sim_run(patched_build, src, model, {**env, "LLAMA_LAYER_MAJOR_PROMPT": "0"})
-    got = _sim_run(patched_build, src, model, env)
-    assert got.logits_sha256 == base.logits_sha256
-    assert got.decode_logits_sha256 == base.decode_logits_sha256
-    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "4")]
-    # groups 1 and 2 (group 0 follows the context's own reservation), and the last group's graph
-    assert got.stats["prompt"]["n_reserves_in_place"] == 3, got.stats["prompt"]
+    whole = {**env, "LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE": "1"}
+    for got in (_sim_run(patched_build, src, model, env), _sim_run(patched_build, src, model, whole)):
+        assert got.logits_sha256 == base.logits_sha256
+        assert got.decode_logits_sha256 == base.decode_logits_sha256
+        assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "4")]
+        # groups 1 and 2 (group 0 follows the context's own reservation), and the last group's graph
+        assert got.stats["prompt"]["n_reserves_in_place"] == 3, got.stats["prompt"]
     assert base.stats["prompt"]["n_reserves_in_place"] == 0
-    planted = _sim_run(patched_build, src, model, {**env, "GGML_SCHED_PREFETCH_DEBUG_STAGE_NO_WAIT": "1"})
+    planted = _sim_run(patched_build, src, model, {**whole, "GGML_SCHED_PREFETCH_DEBUG_STAGE_NO_WAIT": "1"})
     assert planted.logits_sha256 != base.logits_sha256
 
 

@@ -11,14 +11,17 @@
 #   staged    pp4096 and pp32768 at ub 512, groups staged ahead (LLAMA_LAYER_MAJOR_GROUPS=$STAGED_GROUPS, 8) against
 #             one group (LLAMA_LAYER_MAJOR_GROUPS=1)
 #   cache     pp32768 at ub 2048, pageable, with a quarter of the expert bytes cached (-mcm 3900): both orders
+#   queueing  whether a graph's input uploads wait behind a stage queued before them: the copy probe times a 32 MiB
+#             pinned upload on a second queue alone and behind a 1944 MiB one (a group's stage at 8 groups)
 #   short     pp512 and tg128 (one ubatch, decode): unchanged
 #   times     where each group's time goes (LLAMA_LAYER_MAJOR_DEBUG_TIMES=1): one patched llama-bench run per
 #             "PROMPT UBATCH GROUPS [VAR=VALUE...]" of TIMES_RUNS (comma-separated), experts on the host, pinned; the
-#             rate and the group lines of the timed repetition in times.md
+#             rate and the group lines of the timed repetition (each group's times, its graphs' host steps) in
+#             times.md
 # ROUNDS (2) sets the rounds of each bench; LM_GROUPS=N runs the layer-major side with LLAMA_LAYER_MAJOR_GROUPS=N
 # (unset: the build's default grouping).
 set -uo pipefail
-step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|pageable-512|staged|cache|short|times}
+step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|pageable-512|staged|cache|queueing|short|times}
 . "$(dirname "$0")/common.sh"
 ROUNDS=${ROUNDS:-2}
 
@@ -78,9 +81,13 @@ times)
           grep "^| qwen3moe" "$log" | sed 's/^/    /'
           # the timed repetition's lines: the last call's, after the warmup's
           n=$(grep -c "layer-major times: group 0 " "$log")
-          awk -v n="$n" '/layer-major times: group 0 /{k++} k==n && /layer-major times|layer-major call times|layer-major prompt:/' "$log" | sed 's/^/    /'
+          awk -v n="$n" '/layer-major times: group 0 /{k++} k==n && /layer-major times|layer-major graph times|layer-major call times|layer-major prompt:/' "$log" | sed 's/^/    /'
           echo; } | tee -a "$OUT/times.md"
     done
+    ;;
+queueing)
+    bin=$(patched_bin) || exit 1
+    "$bin/llama-moe-copy-probe" --mib 1944 --small 32 --reps 5 --device CUDA0 | tee "$OUT/queueing.json"
     ;;
 short)
     order_bench 200 layer-major-short --reps 3 --discard 1 -- -p 512 -n 128 -ngl 99 -ncmoe 48 -lm none

@@ -52,6 +52,7 @@ layer-major-pageable-512 layer-major.sh pageable-512  pp32768 ub 512 with pageab
 layer-major-staged  layer-major.sh staged     pp4096 and pp32768 ub 512: groups staged ahead against one group
 layer-major-cache   layer-major.sh cache      pp32768 ub 2048, pageable, a quarter cache: layer-major against ubatch order
 layer-major-times   layer-major.sh times      each group's host times and uploads (LLAMA_LAYER_MAJOR_DEBUG_TIMES=1), by prompt, ubatch and groups
+layer-major-queueing layer-major.sh queueing  a small upload on a second queue behind a group's stage (the copy probe's --small)
 layer-major-short   layer-major.sh short      pp512 and tg128 (one ubatch, decode): layer-major on against off
 lookup-ops          device-lookup.sh ops      test-backend-ops of the lookup and fill ops, under memcheck and racecheck
 masked-ids          device-lookup.sh masked-ids  test-backend-ops of MUL_MAT_ID/ADD_ID with ids of -1 on CUDA0 (each kernel, fusions), under memcheck

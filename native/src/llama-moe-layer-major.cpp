@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -50,6 +51,13 @@ static int64_t layer_major_min_ubatches() {
 static int64_t layer_major_target_groups() {
     static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_GROUPS", 1, 4096);
     return env > 0 ? env : 0;
+}
+
+// LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE=1: the next group's stage queued whole at the group's start instead of in parts
+// after its ubatches (what parts gain, measured; and a stage that must wait for the computes before it, for the tests)
+static bool layer_major_debug_stage_whole() {
+    static const bool on = llama_moe_env_whole("LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE", 0, 1) == 1;
+    return on;
 }
 
 // LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=N: groups of N layers whatever the host weights, the budget and the prefetch
@@ -152,21 +160,25 @@ static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, 
     ggml_backend_t target = offload_backend(sched);
     const std::vector<ggml_tensor *> head = head_host_weights(model);
     for (size_t g = 0; g < lm.groups.size() && target != nullptr; g++) {
-        std::map<ggml_backend_t, std::vector<ggml_tensor *>> by_backend;
+        std::map<ggml_backend_t, llama_moe_layer_major::group_weights> by_backend;
+        const auto add = [&](const std::vector<ggml_tensor *> & layer) {
+            auto & gw = by_backend[target];
+            gw.backend = target;
+            gw.list.insert(gw.list.end(), layer.begin(), layer.end());
+            gw.layer_end.push_back(gw.list.size());
+        };
         for (int32_t il = lm.groups[g].first; il < lm.groups[g].second; il++) {
             if (!weights[il].empty()) {
-                auto & list = by_backend[target];
-                list.insert(list.end(), weights[il].begin(), weights[il].end());
+                add(weights[il]);
             }
         }
         if (g + 1 == lm.groups.size() && !head.empty()) {
-            auto & list = by_backend[target];
-            list.insert(list.end(), head.begin(), head.end());
+            add(head);
         }
-        for (auto & [backend, list] : by_backend) {
-            const size_t size = ggml_backend_sched_prefetch_keep_size(sched, backend, list.data(), (int) list.size());
+        for (auto & [backend, gw] : by_backend) {
+            const size_t size = ggml_backend_sched_prefetch_keep_size(sched, backend, gw.list.data(), (int) gw.list.size());
             region[backend] = std::max(region[backend], size);
-            lm.weights[g].emplace_back(backend, std::move(list));
+            lm.weights[g].push_back(std::move(gw));
         }
     }
     lm.regions.assign(region.begin(), region.end());
@@ -263,22 +275,24 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         }
         budget[dev] = room;
     }
-    // one group where a device's host weights all fit its budget (uploaded in the call's first ubatch), else groups
-    // of at most half the budget, in two regions: while one group's graphs read one region, the next group's weights
-    // upload into the other. LLAMA_LAYER_MAJOR_GROUPS=N asks for about 1/N of the weights a group (at most half the
-    // budget). A budget whose half cannot hold the largest layer but whose whole holds every one: one group
+    // groups of at most half the budget, in two regions: while one group's graphs read one region, the next group's
+    // weights upload into the other. Only the first group's upload overlaps nothing, and each group costs a reservation
+    // and a few host waits, so a group of about sqrt(host bytes x 256 MiB) balances the two (15.5 GiB of experts: 8
+    // groups of 1.9 GiB, where on an H100 the first upload takes 37 ms and each group's own cost a few ms). One group
+    // where that is all the host weights, or where the budget's half cannot hold the largest layer but its whole holds
+    // every one. LLAMA_LAYER_MAJOR_GROUPS=N asks for about 1/N of the weights a group instead
     const int64_t n_groups = layer_major_target_groups();
     for (auto & [dev, b] : budget) {
         size_t largest = 0;
         for (int32_t il = 0; il < n_layer; il++) {
             largest = model.dev_layer(il) == dev ? std::max(largest, bytes[il]) : largest;
         }
-        if (n_groups == 1 || (n_groups == 0 && total[dev] <= b) || (b / 2 < largest && total[dev] <= b)) {
-            b = std::min(b, total[dev]);
-        } else if (n_groups == 0) {
-            b = b / 2;
+        const size_t target = n_groups > 0 ? (total[dev] + n_groups - 1) / n_groups :
+                                             (size_t) std::sqrt((double) total[dev] * (256.0 * 1024 * 1024));
+        if ((target >= total[dev] || b / 2 < largest) && total[dev] <= b) {
+            b = total[dev];
         } else {
-            b = std::min(b / 2, std::max(largest, (total[dev] + n_groups - 1) / n_groups));
+            b = std::min(b / 2, std::max(largest, target));
         }
     }
     lm.groups = plan_groups(model, bytes, budget, lm.why_plan);
@@ -297,7 +311,7 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
                    "host weights): %s%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
                    lm.groups.size() == 1 ? "" : "s", n_layer,
                    lm.groups.size() == 1 ? "" : ", each group's weights uploaded while the group before runs",
-                   devs.c_str(), set > 0 ? " (set)" : " (auto: half the free memory)", layer_major_min_ubatches());
+                   devs.c_str(), set > 0 ? " (of the budget set)" : " (of half the free memory)", layer_major_min_ubatches());
 }
 
 llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, const llama_model & model,
@@ -411,8 +425,12 @@ void llama_moe_layer_major_rows_queued(llama_moe_layer_major & lm, ggml_backend_
 
 void llama_moe_layer_major_rows_wait(llama_moe_layer_major & lm, uint32_t u) {
     if (u < lm.rows_downloads.size() && lm.rows_downloads[u].pending) {
+        const int64_t t_wait = llama_moe_layer_major_debug_times_on() ? ggml_time_us() : 0;
         ggml_backend_event_synchronize(lm.rows_downloads[u].done.get());
         lm.rows_downloads[u].pending = false;
+        if (t_wait != 0) {
+            lm.steps.us_rows_wait += ggml_time_us() - t_wait;
+        }
     }
 }
 
@@ -425,34 +443,71 @@ void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_
     }
 }
 
-void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
+void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
         llama_moe_cache_rt * cache) {
+    lm.stage.clear();
     if (!lm.staging || g + 1 >= (int32_t) lm.groups.size()) {
         return;
     }
     const int64_t t_stage = llama_moe_layer_major_debug_times_on() ? ggml_time_us() : 0;
-    // the expert cache writes the copies of its layers' experts (residents from the banks) and plans them as the
-    // first graph that reads them would; a layer it reads in place is not staged at all
-    llama_moe_cache_set_staging(cache, true);
-    std::vector<ggml_tensor *> stage;
-    for (auto & [backend, list] : lm.weights[g + 1]) {
+    for (const auto & gw : lm.weights[g + 1]) {
         size_t region = 0;
         for (const auto & [b, r] : lm.regions) {
-            region = b == backend ? r : region;
+            region = b == gw.backend ? r : region;
         }
-        stage.clear();
-        for (ggml_tensor * w : list) {
-            if (!llama_moe_cache_reads_in_place(cache, w)) {
-                stage.push_back(w);
+        // a layer the expert cache reads in place is not staged at all
+        llama_moe_layer_major::stage_progress sp;
+        sp.backend = gw.backend;
+        size_t i = 0, bytes = 0;
+        for (size_t end : gw.layer_end) {
+            for (; i < end; i++) {
+                if (!llama_moe_cache_reads_in_place(cache, gw.list[i])) {
+                    sp.bytes_before.push_back(bytes);
+                    sp.list.push_back(gw.list[i]);
+                    bytes += ggml_nbytes(gw.list[i]);
+                }
+            }
+            if (sp.layer_end.empty() || sp.layer_end.back() != sp.list.size()) {
+                sp.layer_end.push_back(sp.list.size());
             }
         }
-        // a weight left out (the arena could not hold it) is uploaded by its own graph; the rest stay where staged
-        ggml_backend_sched_prefetch_stage(sched, backend, (size_t) ((g + 1) % 2) * region, stage.data(), (int) stage.size());
+        sp.bytes_before.push_back(bytes);
+        // nothing yet: the wait for the computes that read the region, so that the parts need not wait again
+        ggml_backend_sched_prefetch_stage(sched, gw.backend, (size_t) ((g + 1) % 2) * region, nullptr, 0);
+        lm.stage.push_back(std::move(sp));
     }
-    llama_moe_cache_set_staging(cache, false);
+    if (layer_major_debug_stage_whole()) {
+        llama_moe_layer_major_stage_part(lm, sched, cache, 1.0);
+    }
     if (t_stage != 0) {
         lm.t_stage  = t_stage;
         lm.us_stage = ggml_time_us() - t_stage;
+    }
+}
+
+void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_sched_t sched, llama_moe_cache_rt * cache,
+        double share) {
+    const int64_t t_part = llama_moe_layer_major_debug_times_on() ? ggml_time_us() : 0;
+    // the expert cache writes the copies of its layers' experts (residents from the banks) and plans them as the
+    // first graph that reads them would
+    llama_moe_cache_set_staging(cache, true);
+    for (auto & sp : lm.stage) {
+        const size_t want = share >= 1.0 ? sp.bytes_before.back() : (size_t) (share * (double) sp.bytes_before.back());
+        size_t end = sp.next;
+        for (size_t cut : sp.layer_end) {
+            if (cut > sp.next && sp.bytes_before[end] < want) {
+                end = cut; // whole layers, up to the first that reaches the share
+            }
+        }
+        if (end > sp.next) {
+            // a weight left out (the arena could not hold it) is uploaded by its own graph; the rest stay where staged
+            ggml_backend_sched_prefetch_stage_more(sched, sp.backend, sp.list.data() + sp.next, (int) (end - sp.next));
+            sp.next = end;
+        }
+    }
+    llama_moe_cache_set_staging(cache, false);
+    if (t_part != 0) {
+        lm.us_stage += ggml_time_us() - t_part;
     }
 }
 
@@ -469,6 +524,7 @@ void llama_moe_layer_major_group_begin(llama_moe_layer_major & lm, ggml_backend_
     lm.t_reserved = 0;
     lm.t_stage    = 0;
     lm.us_stage   = 0;
+    lm.steps      = {};
     ggml_backend_sched_get_stats(sched, &lm.stats_group);
 }
 
@@ -476,6 +532,41 @@ void llama_moe_layer_major_group_reserved(llama_moe_layer_major & lm) {
     if (llama_moe_layer_major_debug_times_on()) {
         lm.t_reserved = ggml_time_us();
     }
+}
+
+void llama_moe_layer_major_graph_timed(llama_moe_layer_major & lm, bool reused, int64_t t_start, int64_t t_graph,
+        int64_t t_built, int64_t t_inputs, int64_t t_bound, int64_t t_queued) {
+    llama_moe_layer_major_steps & st = lm.steps;
+    st.n_graphs++;
+    st.n_reused     += reused;
+    st.us_built     += (reused ? t_built : t_graph) - t_start;
+    st.us_allocated += reused ? 0 : t_built - t_graph;
+    st.us_inputs    += t_inputs - t_built;
+    st.us_bound     += t_bound - t_inputs;
+    st.us_queued    += t_queued - t_bound;
+}
+
+void llama_moe_layer_major_log_steps(llama_moe_layer_major & lm, const char * what) {
+    const llama_moe_layer_major_steps & st = lm.steps;
+    const double per = st.n_graphs > 0 ? 1000.0 * st.n_graphs : 1000.0; // us in all -> ms per graph
+    // the inputs that took longest, by kind (a type name without its length prefix)
+    std::vector<std::pair<int64_t, std::string>> inputs;
+    for (const auto & [name, us] : st.us_by_input) {
+        inputs.emplace_back(us, name.substr(name.find_first_not_of("0123456789")));
+    }
+    std::sort(inputs.rbegin(), inputs.rend());
+    std::string by_input;
+    for (size_t i = 0; i < inputs.size() && i < 4; i++) {
+        char part[128];
+        snprintf(part, sizeof(part), "%s%s %.2f", i > 0 ? ", " : "", inputs[i].second.c_str(), inputs[i].first / per);
+        by_input += part;
+    }
+    LLAMA_LOG_INFO("llama_moe: layer-major graph times: %s, %" PRId64 " graphs (%" PRId64 " reused), per graph: built "
+                   "%.2f ms, allocated %.2f ms, inputs %.2f ms (%s), expert cache bind %.2f ms, computes queued %.2f ms "
+                   "(the scheduler's waits for uploads included); boundary rows waited for %.2f ms in all\n",
+                   what, st.n_graphs, st.n_reused, st.us_built / per, st.us_allocated / per, st.us_inputs / per,
+                   by_input.c_str(), st.us_bound / per, st.us_queued / per, st.us_rows_wait / 1000.0);
+    lm.steps = {};
 }
 
 void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g, uint32_t n_ubatch) {
@@ -496,8 +587,8 @@ void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sc
     ggml_backend_sched_stats now = {};
     ggml_backend_sched_get_stats(sched, &now);
     const auto ms = [](int64_t us) { return us / 1000.0; };
-    LLAMA_LOG_INFO("llama_moe: layer-major times: group %d (layers %d-%d), %u ubatches: reserve %.2f ms, stage queued at "
-                   "+%.2f ms in %.2f ms, ubatches queued by +%.2f ms, computes done +%.2f ms, copy queues done +%.2f ms "
+    LLAMA_LOG_INFO("llama_moe: layer-major times: group %d (layers %d-%d), %u ubatches: reserve %.2f ms, next stage begun at "
+                   "+%.2f ms (its parts queued in %.2f ms), ubatches queued by +%.2f ms, computes done +%.2f ms, copy queues done +%.2f ms "
                    "(group %.2f ms); uploaded %.1f MiB (%.1f staged), %.1f MiB kept, %" PRIu64 " reallocations, %" PRIu64 " host "
                    "synchronizations (%" PRIu64 " for uploads) in %" PRIu64 " graphs\n",
                    g, lm.il_begin, lm.il_end - 1, n_ubatch, ms(lm.t_reserved - lm.t_group),
@@ -509,6 +600,7 @@ void llama_moe_layer_major_group_end(llama_moe_layer_major & lm, ggml_backend_sc
                    now.n_graph_reallocs - lm.stats_group.n_graph_reallocs, now.n_host_syncs - lm.stats_group.n_host_syncs,
                    now.n_host_syncs_upload - lm.stats_group.n_host_syncs_upload,
                    now.n_graph_computes - lm.stats_group.n_graph_computes);
+    llama_moe_layer_major_log_steps(lm, ("group " + std::to_string(g)).c_str());
 }
 
 void llama_moe_default_set_layer_major_prompt(int32_t on) {

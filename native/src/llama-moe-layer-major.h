@@ -8,6 +8,7 @@
 #include "ggml-cpp.h"
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -19,6 +20,20 @@ struct llama_cparams;
 struct llama_moe_cache_rt;
 
 using llama_moe_layer_groups = std::vector<std::pair<int32_t, int32_t>>; // [il_begin, il_end) per group, in order
+
+// LLAMA_LAYER_MAJOR_DEBUG_TIMES=1: the host time a layer group's graphs spent in each step of process_ubatch, summed,
+// to tell a group whose device work bounds it from one whose host preparation of each graph does
+struct llama_moe_layer_major_steps {
+    int64_t n_graphs     = 0;
+    int64_t n_reused     = 0;
+    int64_t us_built     = 0; // graphs built (or found reusable)
+    int64_t us_allocated = 0; // ... and allocated by the scheduler
+    int64_t us_inputs    = 0; // inputs set on the host
+    int64_t us_bound     = 0; // the expert cache's bind
+    int64_t us_queued    = 0; // computes queued, the scheduler's waits for the uploads of host inputs included
+    int64_t us_rows_wait = 0; // waits for the boundary rows' download by the group before
+    std::map<std::string, int64_t> us_by_input; // us_inputs by the input's kind
+};
 
 struct llama_moe_layer_major {
     bool on = true; // the context's setting (llama_moe_set_layer_major_prompt)
@@ -32,9 +47,25 @@ struct llama_moe_layer_major {
     // staging ahead: each group's host weights by the backend that reads them, and each such backend's region (the
     // bytes of the largest group's kept copies there). With more than one group the staging arena holds two regions:
     // while a group's graphs read one, the next group's weights are uploaded into the other
-    std::vector<std::vector<std::pair<ggml_backend_t, std::vector<ggml_tensor *>>>> weights; // [group]
+    struct group_weights {
+        ggml_backend_t              backend = nullptr;
+        std::vector<ggml_tensor *>  list;      // in layer order
+        std::vector<size_t>         layer_end; // the index in list after each layer's last weight
+    };
+    std::vector<std::vector<group_weights>>        weights; // [group]
     std::vector<std::pair<ggml_backend_t, size_t>> regions;
     bool staging = false; // the call in progress stages ahead
+
+    // the next group's stage in progress, queued in parts (llama_moe_layer_major_stage_part), per backend: the weights
+    // it uploads (those the expert cache does not read in place), the cuts between its layers, and how far it got
+    struct stage_progress {
+        ggml_backend_t             backend = nullptr;
+        std::vector<ggml_tensor *> list;
+        std::vector<size_t>        layer_end;
+        std::vector<size_t>        bytes_before; // [i]: the bytes of list[0, i)
+        size_t                     next = 0;     // the first weight not queued yet
+    };
+    std::vector<stage_progress> stage;
 
     // the call in progress: the layers the next graph builds, and the boundary rows it reads
     int32_t            il_begin = 0;
@@ -76,6 +107,7 @@ struct llama_moe_layer_major {
     int64_t t_stage    = 0; // the stage of the next group's weights began (0: none)
     int64_t us_stage   = 0; // ... and took this long to queue
     ggml_backend_sched_stats stats_group = {}; // the scheduler's counters when the group began
+    llama_moe_layer_major_steps steps;         // the group's graphs' host steps
 };
 
 // whether a new context computes long prompts layer-major: process default (llama-moe.h setter or
@@ -105,10 +137,18 @@ void llama_moe_layer_major_rows_wait(llama_moe_layer_major & lm, uint32_t u);
 // group g's kept copies go to its region (the group's parity) in the graphs built next
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
 
-// group g + 1's host weights uploaded into its region now (once group g's own uploads are queued); cache: the context's
-// expert cache (nullptr: none), which writes its layers' copies
-void llama_moe_layer_major_stage_next(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
+// group g + 1's stage begins: on each copy queue after the computes queued so far (the group before g's read the region
+// it overwrites), with nothing uploaded yet. Its weights follow in parts, each queued after one of group g's ubatches:
+// uploads of all queues may wait in one line (a graph's input uploads behind a whole stage queued before them), so a
+// stage queued at once would keep the group's next ubatch from starting until all of it had crossed. cache: the
+// context's expert cache (nullptr: none), which writes its layers' copies
+void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
         llama_moe_cache_rt * cache);
+
+// the part of the stage in progress that brings it to `share` (0 to 1) of its bytes, in whole layers (the expert cache
+// plans a layer's copies together); share 1: the rest
+void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_sched_t sched, llama_moe_cache_rt * cache,
+        double share);
 
 // LLAMA_LAYER_MAJOR_DEBUG_TIMES=1 (a measuring aid): whether each group's host times are logged
 bool llama_moe_layer_major_debug_times_on();
@@ -118,6 +158,13 @@ void llama_moe_layer_major_group_begin(llama_moe_layer_major & lm, ggml_backend_
 
 // group g's reservation returned
 void llama_moe_layer_major_group_reserved(llama_moe_layer_major & lm);
+
+// a graph of the group in progress was computed (queued): its host steps' times (ggml_time_us; t_graph 0: reused)
+void llama_moe_layer_major_graph_timed(llama_moe_layer_major & lm, bool reused, int64_t t_start, int64_t t_graph,
+        int64_t t_built, int64_t t_inputs, int64_t t_bound, int64_t t_queued);
+
+// log the host steps of the graphs timed since the last call (what: the group they belong to), and start again
+void llama_moe_layer_major_log_steps(llama_moe_layer_major & lm, const char * what);
 
 // group g's ubatches are all queued. The next group goes on without waiting where every download of the boundary rows
 // was recorded (each of its ubatches waits for its own rows); else this waits for the group's computes and the next

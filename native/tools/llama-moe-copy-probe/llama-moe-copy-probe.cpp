@@ -11,6 +11,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,9 +19,22 @@
 #include <vector>
 
 struct probe_params {
-    size_t       mib    = 256;
-    int          reps   = 10;
-    const char * device = nullptr;
+    size_t       mib       = 256;
+    int          reps      = 10;
+    const char * device    = nullptr;
+    size_t       small_mib = 0; // --small: the queueing test, off
+};
+
+// --small: how long a small pinned upload on a second queue of the device takes alone, queued right behind a --mib
+// upload on the first queue, and behind the same upload queued as 32 pieces. Behind the whole upload as long as the
+// upload itself: uploads of different queues wait in one line, so a graph's inputs wait for a stage queued before
+// them; about as long as alone: they share the copy engines
+struct queue_stats {
+    double small_alone_ms   = 0.0;
+    double small_behind_ms  = 0.0;
+    double large_ms         = 0.0;
+    double small_pieces_ms  = 0.0; // behind the 32 pieces
+    double large_pieces_ms  = 0.0;
 };
 
 struct probe_stats {
@@ -39,6 +53,8 @@ static void print_usage(const char * argv0) {
            "  --mib N         copy size in MiB (default 256)\n"
            "  --reps N        timed copies per measurement (default 10); the median is reported\n"
            "  --device NAME   probe only this device (e.g. CUDA0)\n"
+           "  --small N       also time an N MiB pinned upload on a second queue, alone and right behind a --mib\n"
+           "                  upload on the first: whether uploads of two queues wait in one line (default off)\n"
            "  -h, --help      show this help\n", argv0);
 }
 
@@ -96,9 +112,89 @@ static probe_stats time_copies(ggml_backend_t backend, ggml_tensor * dst, const 
     return st;
 }
 
+static double median_ms(std::vector<double> & ms) {
+    std::sort(ms.begin(), ms.end());
+    const size_t n = ms.size();
+    return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+// the queueing test of --small (see queue_stats): large on `backend`, small on `second`, both from src
+static queue_stats time_queueing(ggml_backend_t backend, ggml_backend_t second, ggml_tensor * large, ggml_tensor * small,
+        const uint8_t * src, size_t reps) {
+    const size_t n_large = ggml_nbytes(large);
+    const size_t n_small = ggml_nbytes(small);
+    const int    n_pieces = 32;
+    std::vector<double> alone(reps), behind(reps), whole(reps), behind_pieces(reps), whole_pieces(reps);
+    ggml_backend_tensor_set_async(second, small, src, 0, n_small); // warm-up, as time_copies
+    ggml_backend_synchronize(second);
+    for (size_t i = 0; i < reps; i++) {
+        int64_t t0 = ggml_time_us();
+        ggml_backend_tensor_set_async(second, small, src, 0, n_small);
+        ggml_backend_synchronize(second);
+        alone[i] = (ggml_time_us() - t0) / 1e3;
+
+        t0 = ggml_time_us();
+        ggml_backend_tensor_set_async(backend, large, src, 0, n_large);
+        ggml_backend_tensor_set_async(second, small, src, 0, n_small);
+        ggml_backend_synchronize(second);
+        behind[i] = (ggml_time_us() - t0) / 1e3;
+        ggml_backend_synchronize(backend);
+        whole[i] = (ggml_time_us() - t0) / 1e3;
+
+        t0 = ggml_time_us();
+        for (int p = 0; p < n_pieces; p++) {
+            const size_t off = n_large / n_pieces * p;
+            const size_t end = p + 1 == n_pieces ? n_large : n_large / n_pieces * (p + 1);
+            ggml_backend_tensor_set_async(backend, large, src + off, off, end - off);
+        }
+        ggml_backend_tensor_set_async(second, small, src, 0, n_small);
+        ggml_backend_synchronize(second);
+        behind_pieces[i] = (ggml_time_us() - t0) / 1e3;
+        ggml_backend_synchronize(backend);
+        whole_pieces[i] = (ggml_time_us() - t0) / 1e3;
+    }
+    queue_stats st;
+    st.small_alone_ms  = median_ms(alone);
+    st.small_behind_ms = median_ms(behind);
+    st.large_ms        = median_ms(whole);
+    st.small_pieces_ms = median_ms(behind_pieces);
+    st.large_pieces_ms = median_ms(whole_pieces);
+    return st;
+}
+
 static void alloc_error(size_t n, const char * what, ggml_backend_dev_t dev) {
     fprintf(stderr, "error: failed to allocate %zu MiB of %s for device %s; try a smaller --mib\n",
             n / (1024 * 1024), what, ggml_backend_dev_name(dev));
+}
+
+// --small on one device: a second queue (backend) and the small upload's destination, made and freed here
+static bool probe_queueing(ggml_backend_dev_t dev, ggml_backend_t backend, ggml_tensor * large,
+        ggml_backend_buffer_t host_buf, const probe_params & params, queue_stats * out) {
+    ggml_backend_t second = ggml_backend_dev_init(dev, nullptr);
+    if (!second) {
+        fprintf(stderr, "error: could not create a second backend for device %s\n", ggml_backend_dev_name(dev));
+        return false;
+    }
+    ggml_init_params ip = {
+        /* .mem_size   = */ ggml_tensor_overhead(),
+        /* .mem_buffer = */ nullptr,
+        /* .no_alloc   = */ true,
+    };
+    ggml_context * ctx = ggml_init(ip);
+    GGML_ASSERT(ctx != nullptr);
+    ggml_tensor * small = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) (params.small_mib * 1024 * 1024));
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(dev));
+    bool ok = buf != nullptr;
+    if (ok) {
+        *out = time_queueing(backend, second, large, small, (const uint8_t *) ggml_backend_buffer_get_base(host_buf),
+                (size_t) params.reps);
+    } else {
+        alloc_error(params.small_mib * 1024 * 1024, "device memory (--small)", dev);
+    }
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    ggml_backend_free(second);
+    return ok;
 }
 
 // returns false after printing the error line; frees whatever it allocated on every path
@@ -133,6 +229,7 @@ static bool probe_device(ggml_backend_dev_t dev, const probe_params & params) {
     ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(dev);
     probe_stats pinned      = {};
     probe_stats pageable_st = {};
+    queue_stats queueing    = {};
 
     dev_buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(dev));
     if (!dev_buf) {
@@ -157,6 +254,9 @@ static bool probe_device(ggml_backend_dev_t dev, const probe_params & params) {
             // non-zero bytes, so that no layer can take a shortcut on zero pages
             memset(ggml_backend_buffer_get_base(host_buf), 0x5a, n);
             pinned = time_copies(backend, dst, ggml_backend_buffer_get_base(host_buf), n, (size_t) params.reps);
+            if (params.small_mib > 0 && !probe_queueing(dev, backend, dst, host_buf, params, &queueing)) {
+                goto done;
+            }
         }
     } else {
         note = "the device has no host buffer type (ggml_backend_dev_host_buffer_type returned NULL): "
@@ -180,6 +280,12 @@ static bool probe_device(ggml_backend_dev_t dev, const probe_params & params) {
     } else {
         printf("\"pinned_gbps\": null, \"pinned_min_gbps\": null, \"pinned_max_gbps\": null, \"note\": %s, ",
                 json_str(note).c_str());
+    }
+    if (params.small_mib > 0 && note == nullptr) {
+        printf("\"small_bytes\": %zu, \"small_alone_ms\": %.3f, \"small_behind_ms\": %.3f, \"large_ms\": %.3f, "
+               "\"small_behind_pieces_ms\": %.3f, \"large_pieces_ms\": %.3f, ", params.small_mib * 1024 * 1024,
+                queueing.small_alone_ms, queueing.small_behind_ms, queueing.large_ms, queueing.small_pieces_ms,
+                queueing.large_pieces_ms);
     }
     printf("\"pageable_gbps\": %.3f, \"pageable_min_gbps\": %.3f, \"pageable_max_gbps\": %.3f}\n",
             pageable_st.median_gbps, pageable_st.min_gbps, pageable_st.max_gbps);
@@ -210,29 +316,42 @@ int main(int argc, char ** argv) {
             print_usage(argv[0]);
             return 0;
         }
-        if ((strcmp(arg, "--mib") == 0 || strcmp(arg, "--reps") == 0 || strcmp(arg, "--device") == 0) && i + 1 >= argc) {
+        if ((strcmp(arg, "--mib") == 0 || strcmp(arg, "--reps") == 0 || strcmp(arg, "--device") == 0 ||
+             strcmp(arg, "--small") == 0) && i + 1 >= argc) {
             fprintf(stderr, "error: %s needs a value (see --help)\n", arg);
-            return 1;
+            return 2;
         }
         if (strcmp(arg, "--mib") == 0) {
             // the upper bound keeps n = mib * 2^20 far from size_t overflow
             if (!parse_positive(argv[++i], &v) || v > (1LL << 24)) {
                 fprintf(stderr, "error: --mib needs a positive integer, got '%s'\n", argv[i]);
-                return 1;
+                return 2;
             }
             params.mib = (size_t) v;
         } else if (strcmp(arg, "--reps") == 0) {
             if (!parse_positive(argv[++i], &v) || v > 1000000) {
                 fprintf(stderr, "error: --reps needs a positive integer, got '%s'\n", argv[i]);
-                return 1;
+                return 2;
             }
             params.reps = (int) v;
+        } else if (strcmp(arg, "--small") == 0) {
+            if (!parse_positive(argv[++i], &v) || v > (1LL << 24)) {
+                fprintf(stderr, "error: --small needs a positive integer, got '%s'\n", argv[i]);
+                return 2;
+            }
+            params.small_mib = (size_t) v;
         } else if (strcmp(arg, "--device") == 0) {
             params.device = argv[++i];
         } else {
             fprintf(stderr, "error: unknown argument '%s' (see --help)\n", arg);
-            return 1;
+            return 2;
         }
+    }
+
+    if (params.small_mib > params.mib) {
+        fprintf(stderr, "error: --small %zu is larger than --mib %zu: the small upload reads the large one's source\n",
+                params.small_mib, params.mib);
+        return 2;
     }
 
     ggml_time_init();
