@@ -293,6 +293,28 @@ def test_a_group_is_reserved_and_staged_while_the_group_before_still_computes(pa
     assert planted.logits_sha256 != base.logits_sha256
 
 
+def test_a_stage_part_waits_for_a_group_whose_places_run_past_its_region(patched_build, src):
+    # 12 layers, the first on the CPU (-ngl 11): the scheduler still uploads that layer's experts for its large batches
+    # (op offload), past the weights the plan counts, so the first group's places run into the region where the second
+    # group's stage goes. A part of that stage, queued after one of the group's ubatches without a wait, overwrote
+    # places the ubatch still read (the prompt's logits changed, the text became [0, 0]); the scheduler now notes the
+    # places of every graph computed since the stage waited and waits again before a part writes one
+    model12 = models.ensure_model("qwen3moe-12", {**load_matrix(CI_DIR / "matrix.toml").models["qwen3moe"], "layers": 12})
+
+    def run(env):
+        spec = runner.RunSpec(model=model12, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=2,
+                              cpu_moe=True, n_gpu_layers=11, load_mode="none", repack=False, stats=True,
+                              env={**SIM_ENV, "LLAMA_LAYER_MAJOR_GROUPS": "2", "GGML_SIM_COMPUTE_LATENCY_US": "3000",
+                                   **env})
+        return runner.run(patched_build, src, spec)
+
+    base, got = run({"LLAMA_LAYER_MAJOR_PROMPT": "0"}), run({})
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "2")]
+    assert got.stats["prompt"]["prefetch_staged_bytes"] > 0
+    assert got.logits_sha256 == base.logits_sha256
+    assert got.generated == base.generated
+
+
 def test_groups_that_end_on_different_devices_download_their_rows_in_order(patched_build, src, model):
     # two SIM devices, the second with three times the memory, so the layers split 2/2 (and the output to SIM1); one
     # layer's experts on the host. The groups of layers 0 and 1 end on SIM0, the group of layer 2 on SIM1, so the

@@ -292,7 +292,10 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         if ((target >= total[dev] || b / 2 < largest) && total[dev] <= b) {
             b = total[dev];
         } else {
-            b = std::min(b / 2, std::max(largest, target));
+            // as many groups as the target makes, of even shares: a short last group would cost a group's own work
+            // for little upload
+            const size_t n = (total[dev] + target - 1) / std::max<size_t>(target, 1);
+            b = std::min(b / 2, std::max(largest, (total[dev] + n - 1) / n));
         }
     }
     lm.groups = plan_groups(model, bytes, budget, lm.why_plan);
