@@ -88,6 +88,13 @@ static std::string json_str(const char * s) {
     return r + "\"";
 }
 
+// the median of a measurement's samples (sorts them)
+static double median(std::vector<double> & v) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 // the warm-up copy is left out of the timing: it pays for first-touch page faults, lazy stream and staging
 // buffer creation in the driver, none of which recur when weights are uploaded
 static probe_stats time_copies(ggml_backend_t backend, ggml_tensor * dst, const void * src, size_t n, size_t reps) {
@@ -103,19 +110,11 @@ static probe_stats time_copies(ggml_backend_t backend, ggml_tensor * dst, const 
         // a copy faster than the clock's resolution still counts as 1 us rather than dividing by zero
         gbps[i] = (double) n / (double) std::max<int64_t>(t1 - t0, 1) * 1e-3;
     }
-    std::sort(gbps.begin(), gbps.end());
-
     probe_stats st;
-    st.median_gbps = reps % 2 ? gbps[reps / 2] : 0.5 * (gbps[reps / 2 - 1] + gbps[reps / 2]);
+    st.median_gbps = median(gbps);
     st.min_gbps    = gbps.front();
     st.max_gbps    = gbps.back();
     return st;
-}
-
-static double median_ms(std::vector<double> & ms) {
-    std::sort(ms.begin(), ms.end());
-    const size_t n = ms.size();
-    return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
 }
 
 // the queueing test of --small (see queue_stats): large on `backend`, small on `second`, both from src
@@ -154,11 +153,11 @@ static queue_stats time_queueing(ggml_backend_t backend, ggml_backend_t second, 
         whole_pieces[i] = (ggml_time_us() - t0) / 1e3;
     }
     queue_stats st;
-    st.small_alone_ms  = median_ms(alone);
-    st.small_behind_ms = median_ms(behind);
-    st.large_ms        = median_ms(whole);
-    st.small_pieces_ms = median_ms(behind_pieces);
-    st.large_pieces_ms = median_ms(whole_pieces);
+    st.small_alone_ms  = median(alone);
+    st.small_behind_ms = median(behind);
+    st.large_ms        = median(whole);
+    st.small_pieces_ms = median(behind_pieces);
+    st.large_pieces_ms = median(whole_pieces);
     return st;
 }
 
