@@ -18,8 +18,8 @@
 #             "PROMPT UBATCH GROUPS [VAR=VALUE...]" of TIMES_RUNS (comma-separated), experts on the host, pinned; the
 #             rate and the group lines of the timed repetition (each group's times, its graphs' host steps) in
 #             times.md
-# ROUNDS (2) sets the rounds of each bench; LM_GROUPS=N runs the layer-major side with LLAMA_LAYER_MAJOR_GROUPS=N
-# (unset: the build's default grouping).
+# ROUNDS (2) sets the rounds of each bench (the time limits grow with it); LM_GROUPS=N runs the layer-major side with
+# LLAMA_LAYER_MAJOR_GROUPS=N (unset: the build's default grouping).
 set -uo pipefail
 step=${1:?usage: layer-major.sh pp32k|pp4k|pageable|pageable-512|staged|cache|queueing|short|times}
 . "$(dirname "$0")/common.sh"
@@ -39,15 +39,15 @@ wait_builds 600 || exit 1
 M=$(skew_model) || exit 1
 case $step in
 pp32k)
-    order_bench 360 layer-major-pp32k --reps 1 --discard 0 \
+    order_bench $((80 + 140 * ROUNDS)) layer-major-pp32k --reps 1 --discard 0 \
         -- -p 32768 -n 0 -b 32768 -ub 512,2048 -ngl 99 -ncmoe 0,48 -lm none
     ;;
 pp4k)
-    order_bench 240 layer-major-pp4k --reps 3 --discard 1 \
+    order_bench $((140 + 50 * ROUNDS)) layer-major-pp4k --reps 3 --discard 1 \
         -- -p 4096 -n 0 -b 4096 -ub 512,2048 -ngl 99 -ncmoe 0,48 -lm none
     ;;
 pageable)
-    order_bench 300 layer-major-pageable --reps 1 --discard 0 \
+    order_bench $((50 + 130 * ROUNDS)) layer-major-pageable --reps 1 --discard 0 \
         --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
         -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -lm mmap
     ;;
@@ -90,7 +90,7 @@ queueing)
     "$bin/llama-moe-copy-probe" --mib 1944 --small 32 --reps 5 --device CUDA0 | tee "$OUT/queueing.json"
     ;;
 short)
-    order_bench 200 layer-major-short --reps 3 --discard 1 -- -p 512 -n 128 -ngl 99 -ncmoe 48 -lm none
+    order_bench $((100 + 50 * ROUNDS)) layer-major-short --reps 3 --discard 1 -- -p 512 -n 128 -ngl 99 -ncmoe 48 -lm none
     ;;
 *)
     echo "layer-major.sh: unknown step $step"; exit 2 ;;

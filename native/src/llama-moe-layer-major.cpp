@@ -53,8 +53,9 @@ static int64_t layer_major_target_groups() {
     return env > 0 ? env : 0;
 }
 
-// LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE=1: the next group's stage queued whole at the group's start instead of in parts
-// after its ubatches (what parts gain, measured; and a stage that must wait for the computes before it, for the tests)
+// LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE=1: the next group's stage queued whole at the group's start (the first group's
+// after its first graph) instead of in parts after its ubatches (what parts gain, measured; and a stage that must wait
+// for the computes before it, for the tests)
 static bool layer_major_debug_stage_whole() {
     static const bool on = llama_moe_env_whole("LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE", 0, 1) == 1;
     return on;
@@ -479,8 +480,8 @@ void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_
         ggml_backend_sched_prefetch_stage(sched, gw.backend, (size_t) ((g + 1) % 2) * region, nullptr, 0);
         lm.stage.push_back(std::move(sp));
     }
-    if (layer_major_debug_stage_whole()) {
-        llama_moe_layer_major_stage_part(lm, sched, cache, 1.0);
+    if (layer_major_debug_stage_whole() && g > 0) {
+        llama_moe_layer_major_stage_part(lm, sched, cache, 1.0); // the first group's goes with its first part
     }
     if (t_stage != 0) {
         lm.t_stage  = t_stage;
@@ -490,6 +491,7 @@ void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_
 
 void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_sched_t sched, llama_moe_cache_rt * cache,
         double share) {
+    share = layer_major_debug_stage_whole() ? 1.0 : share;
     const int64_t t_part = llama_moe_layer_major_debug_times_on() ? ggml_time_us() : 0;
     // the expert cache writes the copies of its layers' experts (residents from the banks) and plans them as the
     // first graph that reads them would
@@ -502,10 +504,14 @@ void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_s
                 end = cut; // whole layers, up to the first that reaches the share
             }
         }
-        if (end > sp.next) {
-            // a weight left out (the arena could not hold it) is uploaded by its own graph; the rest stay where staged
-            ggml_backend_sched_prefetch_stage_more(sched, sp.backend, sp.list.data() + sp.next, (int) (end - sp.next));
-            sp.next = end;
+        // a layer at a time: each is a part of its own, so the next group's first graph waits for each of its layers
+        // alone and starts while the later ones still cross. A weight left out (the arena could not hold it) is
+        // uploaded by its own graph; the rest stay where staged
+        for (size_t cut : sp.layer_end) {
+            if (cut > sp.next && cut <= end) {
+                ggml_backend_sched_prefetch_stage_more(sched, sp.backend, sp.list.data() + sp.next, (int) (cut - sp.next));
+                sp.next = cut;
+            }
         }
     }
     llama_moe_cache_set_staging(cache, false);
