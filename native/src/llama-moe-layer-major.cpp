@@ -491,7 +491,7 @@ void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_
 
 void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_sched_t sched, llama_moe_cache_rt * cache,
         double share) {
-    share = layer_major_debug_stage_whole() ? 1.0 : share;
+    share = layer_major_debug_stage_whole() ? 1.0 : share; // the first call queues all of it (the order before parts)
     const int64_t t_part = llama_moe_layer_major_debug_times_on() ? ggml_time_us() : 0;
     // the expert cache writes the copies of its layers' experts (residents from the banks) and plans them as the
     // first graph that reads them would
@@ -505,8 +505,8 @@ void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_s
             }
         }
         // a layer at a time: each is a part of its own, so the next group's first graph waits for each of its layers
-        // alone and starts while the later ones still cross. A weight left out (the arena could not hold it) is
-        // uploaded by its own graph; the rest stay where staged
+        // alone and starts while the later ones still cross. A part that fails ends the stage (sp.next moves on all
+        // the same): the group's own graphs upload what it left out; the rest stay where staged
         for (size_t cut : sp.layer_end) {
             if (cut > sp.next && cut <= end) {
                 ggml_backend_sched_prefetch_stage_more(sched, sp.backend, sp.list.data() + sp.next, (int) (cut - sp.next));
