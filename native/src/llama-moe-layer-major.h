@@ -138,12 +138,12 @@ void llama_moe_layer_major_rows_wait(llama_moe_layer_major & lm, uint32_t u);
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
 
 // group g + 1's stage begins: on each copy queue after the computes queued so far (the group before g's read the region
-// it overwrites), with nothing uploaded yet. Its weights follow in parts, each queued after one of group g's ubatches:
-// uploads of all queues may wait in one line (a graph's input uploads behind a whole stage queued before them), so a
-// stage queued at once would keep the group's next ubatch from starting until all of it had crossed (the first group's
-// parts lag one ubatch: its first graph uploads its own weights on the same queue). Each layer is a part of its own to
-// the scheduler, so group g + 1's first graph waits for each layer's weights alone. cache: the context's expert cache
-// (nullptr: none), which writes its layers' copies
+// it overwrites), with nothing uploaded yet. Its weights follow in parts, each queued one ubatch behind (after group g's
+// next graph's inputs): uploads of all queues may wait in one line (a graph's input uploads behind a whole stage queued
+// before them), so a stage queued at once would keep the group's next ubatch from starting until all of it had crossed,
+// and a group's first graph uploads, on the same queue, the weights its stage left out: the last share, which group
+// g + 1's first graph uploads after its own inputs. Each layer is a part of its own to the scheduler. cache: the
+// context's expert cache (nullptr: none), which writes its layers' copies
 void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
         llama_moe_cache_rt * cache);
 
