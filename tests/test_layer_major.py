@@ -293,23 +293,6 @@ def test_a_group_is_reserved_and_staged_while_the_group_before_still_computes(pa
     assert planted.logits_sha256 != base.logits_sha256
 
 
-def test_a_group_s_first_graph_waits_for_the_part_of_each_layer_it_reads(patched_build, src, model):
-    # the copy queue is slow here (SIM takes 20 ms for each upload), so a group's stage, one part a layer, is still
-    # crossing when the group's first graph is queued. Each split waits for the part that wrote the places it reads,
-    # not for the whole stage; the planted GGML_SCHED_PREFETCH_DEBUG_STAGE_FIRST_PART waits for the stage's first part
-    # alone (its wait for the computes before it, no weights), so the graphs read their places before the weights
-    # land and the logits change
-    env = {"LLAMA_LAYER_MAJOR_GROUPS": "8", "GGML_SIM_COPY_LATENCY_US": "20000"}
-    base = _sim_run(patched_build, src, model, {**env, "LLAMA_LAYER_MAJOR_PROMPT": "0"})
-    got = _sim_run(patched_build, src, model, env)
-    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "4")]
-    assert got.logits_sha256 == base.logits_sha256
-    assert got.decode_logits_sha256 == base.decode_logits_sha256
-    planted = _sim_run(patched_build, src, model, {**env, "GGML_SCHED_PREFETCH_DEBUG_STAGE_FIRST_PART": "1"})
-    assert "GGML_SCHED_PREFETCH_DEBUG_STAGE_FIRST_PART" in planted.log
-    assert planted.logits_sha256 != base.logits_sha256
-
-
 def test_a_stage_part_waits_for_a_group_whose_places_run_past_its_region(patched_build, src):
     # 12 layers, the first on the CPU (-ngl 11): the scheduler still uploads that layer's experts for its large batches
     # (op offload), past the weights the plan counts, so the first group's places run into the region where the second

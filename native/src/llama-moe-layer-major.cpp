@@ -504,14 +504,10 @@ void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_s
                 end = cut; // whole layers, up to the first that reaches the share
             }
         }
-        // a layer at a time: each is a part of its own, so the next group's first graph waits for each of its layers
-        // alone and starts while the later ones still cross. A part that fails ends the stage (sp.next moves on all
-        // the same): the group's own graphs upload what it left out; the rest stay where staged
-        for (size_t cut : sp.layer_end) {
-            if (cut > sp.next && cut <= end) {
-                ggml_backend_sched_prefetch_stage_more(sched, sp.backend, sp.list.data() + sp.next, (int) (cut - sp.next));
-                sp.next = cut;
-            }
+        if (end > sp.next) {
+            // a weight left out (the arena could not hold it) is uploaded by its own graph; the rest stay where staged
+            ggml_backend_sched_prefetch_stage_more(sched, sp.backend, sp.list.data() + sp.next, (int) (end - sp.next));
+            sp.next = end;
         }
     }
     llama_moe_cache_set_staging(cache, false);

@@ -142,8 +142,8 @@ void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_
 // next graph's inputs): uploads of all queues may wait in one line (a graph's input uploads behind a whole stage queued
 // before them), so a stage queued at once would keep the group's next ubatch from starting until all of it had crossed,
 // and a group's first graph uploads, on the same queue, the weights its stage left out: the last share, which group
-// g + 1's first graph uploads after its own inputs. Each layer is a part of its own to the scheduler. cache: the
-// context's expert cache (nullptr: none), which writes its layers' copies
+// g + 1's first graph uploads after its own inputs. cache: the context's expert cache (nullptr: none), which writes its
+// layers' copies
 void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
         llama_moe_cache_rt * cache);
 
