@@ -138,17 +138,16 @@ void llama_moe_layer_major_rows_wait(llama_moe_layer_major & lm, uint32_t u);
 void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g);
 
 // group g + 1's stage begins: on each copy queue after the computes queued so far (the group before g's read the region
-// it overwrites), with nothing uploaded yet. Its weights follow in parts, each queued one ubatch behind (after group g's
-// next graph's inputs): uploads of all queues may wait in one line (a graph's input uploads behind a whole stage queued
-// before them), so a stage queued at once would keep the group's next ubatch from starting until all of it had crossed,
-// and a group's first graph uploads, on the same queue, the weights its stage left out: the last share, which group
-// g + 1's first graph uploads after its own inputs. cache: the context's expert cache (nullptr: none), which writes its
-// layers' copies
+// it overwrites), with nothing uploaded yet. Its weights follow in parts one ubatch behind (one after each of group g's
+// ubatches, llama_moe_layer_major_stage_part), since uploads of all queues may wait in one line: a graph's input
+// uploads wait behind whatever was queued before them. The last share is left to group g + 1's first graph, which
+// uploads it after its own inputs (unless that graph is below the prefetch's min batch). cache: the context's expert
+// cache (nullptr: none), which writes its layers' copies
 void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
         llama_moe_cache_rt * cache);
 
-// the part of the stage in progress that brings it to `share` (0 to 1) of its bytes, in whole layers (the expert cache
-// plans a layer's copies together); share 1: the rest
+// the part of the stage in progress that brings it to at least `share` (0 to 1) of its bytes, rounded up to whole layers
+// (the expert cache plans a layer's copies together); share 1: the rest. LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE: always 1
 void llama_moe_layer_major_stage_part(llama_moe_layer_major & lm, ggml_backend_sched_t sched, llama_moe_cache_rt * cache,
         double share);
 
