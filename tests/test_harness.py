@@ -40,7 +40,10 @@ def test_ci_subset_passes_and_the_negative_control_is_a_mismatch(master_build, p
         # with the prefetch forced on (the prefetch knobs, and the cache's, whose prompts stage through it), a sim cell
         # also proves the copies went ahead (or, below the batch, did not)
         knobs = cell["cell"]["knobs"]
-        expected |= {"prefetch"} if sim and knobs.startswith(("prefetch", "moe-cache")) else set()
+        expected |= {"prefetch"} if sim and knobs.startswith(("prefetch", "moe-cache", "layer-major")) else set()
+        if knobs.startswith("layer-major"):
+            # the cells that cut the layers into groups really ran the prompt group by group
+            assert checks["logits"]["detail"]["layer_major_calls"] == 1
         # with the expert cache on, banks were made, decode read them (on the device, or with moe-cache-host through
         # the host-side plan), and prompts that upload ahead staged through it
         expected |= {"cache"} if knobs in ("moe-cache", "moe-cache-single", "moe-cache-host", "moe-cache-whole",

@@ -17,7 +17,7 @@ steps() { # name, then SCRIPT STEP or :FUNCTION, then the description
 build               prefetch.sh build         master and patched CUDA builds (default targets, detached) and the 30B bench model
 build-skew          :build_skew               master and patched CUDA builds (default targets, detached) and the skew 0.5 model
 build-patched       :build_patched            the patched CUDA build alone (-j 16) and the skew 0.5 model; later steps wait for it alone
-identity            prefetch.sh identity      identity cells of subsets gpu and gpu-variants against master, host syncs per token
+identity            prefetch.sh identity      identity cells of subsets gpu, gpu-variants and layer-major against master, host syncs per token
 sanitizer           prefetch.sh sanitizer     compute-sanitizer memcheck over a prefetched prompt, debug poison off and on
 sanitizer-pieces    prefetch.sh sanitizer-pieces  the same with a 1 MiB staging ring: every upload in two pieces
 foundation-check    foundation.sh check       identity subset gpu and an A/B pp512/tg128 llama-bench, after build

@@ -193,6 +193,9 @@ class Harness:
         same = base.logits_sha256 == cand.logits_sha256
         detail = {"sha256_base": base.logits_sha256, "sha256_candidate": cand.logits_sha256,
                   "positions": int(base.logits.shape[0])}
+        if cell.candidate == "patched":
+            # which order computed the candidate's prompt: a CUDA pass proves layer-major calls only where this is > 0
+            detail["layer_major_calls"] = len(LAYER_MAJOR_CALL.findall(cand.log))
         if not same:
             detail.update(logit_diagnostics(base.logits, cand.logits))
         checks.append(Check("logits", same, detail))
