@@ -6,6 +6,7 @@ planted fault that skips the memory's restore between groups is caught, and a ca
 leaves the memory as the contract says."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -216,6 +217,56 @@ def test_a_small_tail_ubatch_keeps_the_stages_and_the_plans(patched_build, src, 
     # every expert of the 4 layers uploaded once, by the first group and the stages: none written again
     assert (prompt["n_hits"], prompt["n_misses"]) == (0, 4 * 16)
     assert got.stats["prompt"]["prefetch_upload_bytes"] == 0
+
+
+def test_a_first_ubatch_below_the_min_batch_keeps_the_staged_groups(patched_build, src, model):
+    # two sequences of 8 and 152 tokens in one call, each a stream of its own: llama.cpp cuts it into a first ubatch of
+    # 16 tokens (8 of each), below the min batch of 32, then 32 at a time of the long one. A group's first graph that
+    # small reads staged copies only where every weight it binds is in place, else it copies at split time over them,
+    # so it cannot upload the last share of its stage itself: that share goes at the end of the group before, and the
+    # call uploads every host expert once, as the stage queued whole does
+    def run(env):
+        spec = runner.RunSpec(model=model, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=1,
+                              cpu_moe=True, load_mode="none", repack=False, stats=True, prompt_sequences=[8, 152],
+                              env={**SIM_ENV, "LLAMA_LAYER_MAJOR_GROUPS": "8", **env})
+        return runner.run(patched_build, src, spec)
+
+    base, got = run({"LLAMA_LAYER_MAJOR_PROMPT": "0"}), run({})
+    whole = run({"LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE": "1"})
+    assert got.logits_sha256 == base.logits_sha256 == whole.logits_sha256
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "6", "4")]
+    # ubatch order uploads every host expert ahead in each of the 4 ubatches of 32 (those of 16 copy at split time)
+    host = base.stats["prompt"]["prefetch_upload_bytes"] // 4
+    assert got.stats["prompt"]["prefetch_upload_bytes"] == whole.stats["prompt"]["prefetch_upload_bytes"] == host
+    assert got.stats["prompt"]["prefetch_staged_bytes"] == whole.stats["prompt"]["prefetch_staged_bytes"] > 0
+
+
+def test_the_ops_after_a_small_ubatchs_cpu_experts_run_where_ubatch_order_runs_them(patched_build, src, model, tmp_path):
+    # 600 tokens at ub 64, a group per layer: the tail ubatch of 24 tokens is below the offload batch of 32 (ggml-cuda's
+    # rule, which SIM follows), so its host experts are computed on the CPU. In ubatch order the next layer's norm,
+    # pinned to its device for so small a batch, pulls the ops after the experts (their weighting and sum, the
+    # residual) onto the device; a group's graph ends before that norm, so its output is pinned the same way. Left
+    # on the CPU those ops computed other bytes on CUDA; SIM computes both places with the CPU's kernels, so its op
+    # log is what shows where they ran: a device split starting at each layer's weighting, in both orders
+    tokens = [(i * 7919) % 4000 + 16 for i in range(600)]
+
+    def device_splits_after_experts(env):
+        log = tmp_path / f"oplog-{len(list(tmp_path.iterdir()))}.jsonl"
+        spec = runner.RunSpec(model=model, tokens=tokens, n_ubatch=64, n_batch=1024, threads=2, generate=1,
+                              cpu_moe=True, load_mode="none", repack=False,
+                              env={"GGML_SIM_DEVICES": "1", "GGML_SCHED_PREFETCH": "2", "GGML_SIM_OPLOG": str(log),
+                                   "LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "1", **env})
+        got = runner.run(patched_build, src, spec)
+        ops = [json.loads(line) for line in log.read_text().splitlines()]
+        return got, sorted(op["tensor"] for op in ops if op["op"] == "compute"
+                           and op["tensor"].startswith("ffn_moe_weighted-"))
+
+    base, base_splits = device_splits_after_experts({"LLAMA_LAYER_MAJOR_PROMPT": "0"})
+    got, splits = device_splits_after_experts({})
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("600", "10", "4")]
+    assert base_splits == [f"ffn_moe_weighted-{il}" for il in range(4)]
+    assert splits == base_splits
+    assert got.logits_sha256 == base.logits_sha256
 
 
 def test_a_seed_from_copies_kept_or_staged_ahead_holds_the_host_experts(patched_build, src, skew_model, cache_ubatch_order):

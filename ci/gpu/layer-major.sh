@@ -52,7 +52,7 @@ pageable)
         -- -p 32768 -n 0 -b 32768 -ub 2048 -ngl 99 -ncmoe 0,48 -lm mmap
     ;;
 pageable-512)
-    order_bench 560 layer-major-pageable-512 --reps 1 --discard 0 \
+    order_bench $((30 + 290 * ROUNDS)) layer-major-pageable-512 --reps 1 --discard 0 \
         --baseline-env LLAMA_MOE_PIN_EXPERTS=0 --candidate-env LLAMA_MOE_PIN_EXPERTS=0 \
         -- -p 32768 -n 0 -b 32768 -ub 512 -ngl 99 -ncmoe 0,48 -lm mmap
     ;;

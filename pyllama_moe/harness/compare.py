@@ -196,6 +196,10 @@ class Harness:
         if cell.candidate == "patched":
             # which order computed the candidate's prompt: a CUDA pass proves layer-major calls only where this is > 0
             detail["layer_major_calls"] = len(LAYER_MAJOR_CALL.findall(cand.log))
+            if cell.knobs.startswith("layer-major"):
+                # the cells that cut the layers into groups must have run the prompt group by group
+                checks.append(Check("layer-major", detail["layer_major_calls"] > 0,
+                                    {"calls": detail["layer_major_calls"]}))
         if not same:
             detail.update(logit_diagnostics(base.logits, cand.logits))
         checks.append(Check("logits", same, detail))
@@ -329,6 +333,10 @@ def prefetch_check(cell: Cell, env: dict[str, str], stats: dict | None, log: str
     all_in_place = cached > 0 and filled_whole_layers(log) == cached and env.get("LLAMA_MOE_CACHE_PROBE", "0") != "2"
     staging = cell.ubatch >= min_batch and not all_in_place
     ahead = staging and cell.prompt_tokens >= min_batch
+    # below the min batch only the test setting LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS makes a prompt layer-major, and
+    # its groups after the first upload ahead, into the groups' own regions rather than the ring's arena
+    ahead = ahead or (cell.ubatch < min_batch < cell.prompt_tokens
+                      and int(env.get("LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS", "0")) > 0)
     uploads, arena = prompt.get("n_prefetch_uploads", 0), prompt.get("prefetch_arena_bytes", 0)
     # the expert cache writes the staged copies of its layers' experts itself, uploads the scheduler leaves out: the
     # misses from the host, the residents from the banks

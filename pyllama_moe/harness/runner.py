@@ -76,6 +76,9 @@ class RunSpec:
     want_decode_logits: bool = False
     fault: dict | None = None
     ppl_chunks: tuple[int, int] | None = None
+    # the prompt cut into sequences of these lengths, decoded in one call (no generation past the prompt's argmax):
+    # llama.cpp then splits the call into ubatches of equal shares per sequence (mode_logits.py)
+    prompt_sequences: list[int] | None = None
 
 
 @dataclass
@@ -140,6 +143,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
             req["retry_failed_decode"] = spec.retry_failed_decode
         if spec.sync_callback:
             req["sync_callback"] = spec.sync_callback
+        if spec.prompt_sequences:
+            req["prompt_sequences"] = list(spec.prompt_sequences)
         extra = _divergence_fields(spec, Path(tmp))
         req.update(extra)
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),

@@ -33,6 +33,13 @@ def run(L, req: dict, lib_dir: Path) -> dict:
         cp = _context_params(L, req, max(len(tokens) + n_gen, int(ppl_ctx)))
         n_batch = cp.n_batch
         n_par = int(req.get("parallel") or 1)
+        seq_lens = [int(n) for n in req.get("prompt_sequences") or []]
+        if seq_lens and (sum(seq_lens) != len(tokens) or min(seq_lens) < 1 or len(tokens) > n_batch
+                         or n_gen > 1 or n_par > 1 or ppl_ctx or req.get("warm_tokens")):
+            raise RuntimeError("\"prompt_sequences\" cuts the prompt into sequences of at least 1 token, as many as "
+                               f"it has ({len(tokens)}), decoded in one call of at most n_batch ({n_batch}) tokens; "
+                               "it takes no generation past the prompt's argmax, \"parallel\", \"ppl_chunks\" or "
+                               "\"warm_tokens\"")
         keep_cb = None
         watch = _LookupWatch(L, lib_dir, req["lookup_callback"]) if req.get("lookup_callback") else None
         if sum(bool(req.get(k)) for k in ("eval_callback", "lookup_callback", "sync_callback", "fault")) > 1:
@@ -82,7 +89,10 @@ def run(L, req: dict, lib_dir: Path) -> dict:
                 L.llama_memory_clear(L.llama_get_memory(ctx), True)
             if moe and req.get("stats"):
                 moe.reset_stats()
-            logits = _decode(L, ctx, batch, tokens, 0, bool(req.get("logits_out")), n_batch, n_vocab)
+            if seq_lens:
+                logits = _decode_sequences(L, ctx, batch, tokens, seq_lens, n_vocab)
+            else:
+                logits = _decode(L, ctx, batch, tokens, 0, bool(req.get("logits_out")), n_batch, n_vocab)
             if moe and req.get("stats"):
                 reply["stats"] = {"prompt": moe.stats()}
                 moe.reset_stats()
@@ -202,7 +212,7 @@ def _context_params(L, req: dict, n_tokens: int):
     KV buffer: see _parallel_steps)."""
     cp = L.llama_context_default_params()
     n_par = int(req.get("parallel") or 1)
-    n_seq_max = max(int(req.get("n_seq_max") or 1), n_par)
+    n_seq_max = max(int(req.get("n_seq_max") or 1), n_par, len(req.get("prompt_sequences") or []))
     cp.n_seq_max = n_seq_max
     if n_par > 1:
         cp.kv_unified = True
@@ -364,6 +374,27 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
             ptr = L.llama_get_logits(ctx)
             rows.append(np.ctypeslib.as_array(ptr, shape=(n_out, n_vocab)).copy())
     return np.concatenate(rows, axis=0)
+
+
+def _decode_sequences(L, ctx, batch, tokens: list[int], lengths: list[int], n_vocab: int):
+    """The prompt cut into consecutive sequences of these lengths (sequence i from position 0), all in one llama_decode,
+    every token an output; the logits in the prompt's order. Without a unified KV buffer each sequence is a stream of
+    its own, so llama.cpp splits the call into equal shares of every sequence left: a short sequence makes the first
+    ubatch small and the later ones full."""
+    batch.n_tokens = len(tokens)
+    i = 0
+    for seq, n in enumerate(lengths):
+        for pos in range(n):
+            batch.token[i] = tokens[i]
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = 1
+            i += 1
+    rc = L.llama_decode(ctx, batch)
+    if rc != 0:
+        raise DecodeError(rc, "llama_decode")
+    return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(tokens), n_vocab)).copy()
 
 
 def _set_cache_caps(lib_dir: Path, caps: dict) -> None:
