@@ -241,21 +241,29 @@ def test_a_first_ubatch_below_the_min_batch_keeps_the_staged_groups(patched_buil
     assert got.stats["prompt"]["prefetch_staged_bytes"] == whole.stats["prompt"]["prefetch_staged_bytes"] > 0
 
 
-def test_the_ops_after_a_small_ubatchs_cpu_experts_run_where_ubatch_order_runs_them(patched_build, src, model, tmp_path):
-    # 600 tokens at ub 64, a group per layer: the tail ubatch of 24 tokens is below the offload batch of 32 (ggml-cuda's
-    # rule, which SIM follows), so its host experts are computed on the CPU. In ubatch order the next layer's norm,
-    # pinned to its device for so small a batch, pulls the ops after the experts (their weighting and sum, the
-    # residual) onto the device; a group's graph ends before that norm, so its output is pinned the same way. Left
-    # on the CPU those ops computed other bytes on CUDA; SIM computes both places with the CPU's kernels, so its op
-    # log is what shows where they ran: a device split starting at each layer's weighting, in both orders
+@pytest.mark.parametrize("n_gpu_layers, env, tail_only", [
+    (99, {}, True),
+    (4, {"GGML_OP_OFFLOAD_MIN_BATCH": "128"}, False),
+], ids=["tail-below-32", "experts-on-the-cpu-at-64"])
+def test_the_ops_after_experts_computed_on_the_cpu_run_where_ubatch_order_runs_them(patched_build, src, model, tmp_path,
+                                                                                    n_gpu_layers, env, tail_only):
+    # A graph's host experts are computed on the CPU where its ubatch is below the offload batch (ggml-cuda's rule,
+    # which SIM follows: 32 tokens, or GGML_OP_OFFLOAD_MIN_BATCH). In the whole graph the next layer's first ops on its
+    # device (its norm, pinned there for batches under 32 or a full offload; else its attn_norm's multiply, whose
+    # weight is there) pull the ops after the experts (their weighting and sum, the residual) onto the device. A
+    # group's graph ends before them, so its output is pinned to the next layer's device instead. Left on the CPU those
+    # ops computed other bytes on CUDA; SIM computes both places with the CPU's kernels, so its op log shows where
+    # they ran: the device splits that start at a layer's weighting, the same in both orders. 600 tokens at ub 64, a
+    # group per layer: with every layer on the device only the tail ubatch of 24 tokens computes its experts on the
+    # CPU; with -ngl 4 (layer 0 on the CPU, no full offload) and an offload batch of 128 every ubatch does
     tokens = [(i * 7919) % 4000 + 16 for i in range(600)]
 
-    def device_splits_after_experts(env):
+    def device_splits_after_experts(order_env):
         log = tmp_path / f"oplog-{len(list(tmp_path.iterdir()))}.jsonl"
         spec = runner.RunSpec(model=model, tokens=tokens, n_ubatch=64, n_batch=1024, threads=2, generate=1,
-                              cpu_moe=True, load_mode="none", repack=False,
+                              cpu_moe=True, n_gpu_layers=n_gpu_layers, load_mode="none", repack=False,
                               env={"GGML_SIM_DEVICES": "1", "GGML_SCHED_PREFETCH": "2", "GGML_SIM_OPLOG": str(log),
-                                   "LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "1", **env})
+                                   "LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "1", **env, **order_env})
         got = runner.run(patched_build, src, spec)
         ops = [json.loads(line) for line in log.read_text().splitlines()]
         return got, sorted(op["tensor"] for op in ops if op["op"] == "compute"
@@ -264,7 +272,8 @@ def test_the_ops_after_a_small_ubatchs_cpu_experts_run_where_ubatch_order_runs_t
     base, base_splits = device_splits_after_experts({"LLAMA_LAYER_MAJOR_PROMPT": "0"})
     got, splits = device_splits_after_experts({})
     assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("600", "10", "4")]
-    assert base_splits == [f"ffn_moe_weighted-{il}" for il in range(4)]
+    ubatches = 1 if tail_only else 10
+    assert base_splits == sorted(f"ffn_moe_weighted-{il}" for il in range(4) for _ in range(ubatches))
     assert splits == base_splits
     assert got.logits_sha256 == base.logits_sha256
 
