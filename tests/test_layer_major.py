@@ -221,10 +221,9 @@ def test_a_small_tail_ubatch_keeps_the_stages_and_the_plans(patched_build, src, 
 
 def test_a_first_ubatch_below_the_min_batch_keeps_the_staged_groups(patched_build, src, model):
     # two sequences of 8 and 152 tokens in one call, each a stream of its own: llama.cpp cuts it into a first ubatch of
-    # 16 tokens (8 of each), below the min batch of 32, then 32 at a time of the long one. A group's first graph that
-    # small reads staged copies only where every weight it binds is in place, else it copies at split time over them,
-    # so it cannot upload the last share of its stage itself: that share goes at the end of the group before, and the
-    # call uploads every host expert once, as the stage queued whole does
+    # 16 tokens (8 of each), below the min batch of 32, then 32 at a time of the long one. Each group's first graph is
+    # that small one, which uploads nothing ahead; the call still uploads every host expert once and finds the staged
+    # groups in place, as the stage queued whole does, and computes ubatch order's logits
     def run(env):
         spec = runner.RunSpec(model=model, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=1,
                               cpu_moe=True, load_mode="none", repack=False, stats=True, prompt_sequences=[8, 152],
