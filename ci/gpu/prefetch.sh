@@ -46,7 +46,7 @@ check)
 identity)
     wait_builds 300 || exit 1
     # IDENTITY_SUBSETS names fewer subsets where device time is short. The step fails where a cell failed, after
-    # every subset ran (run.sh then stops, so put it after the benches of a pipeline)
+    # every subset ran (run.sh then stops, unless KEEP_GOING=1)
     failed=""
     for s in ${IDENTITY_SUBSETS:-gpu-variants gpu layer-major}; do
         timeout 400 python3 -m pyllama_moe compare --subset $s --backend cuda --archive-dir $A --json "$OUT/identity-$s.json" 2>&1 | tee "$OUT/identity-$s.txt" \

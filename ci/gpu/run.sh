@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's entry point: `ci/gpu/run.sh STEP [STEP...]` sources common.sh once, runs the named steps in
-# order (each writes into $OUT/STEP), prints each step's time and stops at the first that fails, with its exit
+# order (each writes into $OUT/STEP), prints each step's time and stops at the first that fails (KEEP_GOING=1: goes on), with its exit
 # status. A VAR=VALUE argument sets the environment of the steps after it (`run.sh ROUNDS=4 fit-bench`).
 #   run.sh --list                      every step with what it does
 #   FOLLOW_S=560 run.sh --follow STEP...   starts the steps detached once (they outlive the device call), then
@@ -141,7 +141,17 @@ for s in "$@"; do
     rc=$?
     export OUT=$top
     echo "== $s: exit $rc, $((SECONDS - start)) s"
-    [ $rc = 0 ] || exit $rc
+    if [ $rc != 0 ]; then
+        # KEEP_GOING=1 (before the steps) runs the later steps anyway, so a failed check costs no benchmark
+        [ "${KEEP_GOING:-0}" = 1 ] || exit $rc
+        failed="${failed:-} $s"
+        first_rc=${first_rc:-$rc}
+        continue
+    fi
     n=$((n + 1))
 done
+if [ -n "${failed:-}" ]; then
+    echo "== $n steps passed; failed:$failed, $((SECONDS - T0)) s"
+    exit "$first_rc"
+fi
 echo "== all $n steps passed, $((SECONDS - T0)) s"
