@@ -1,6 +1,8 @@
 """ci/gpu/run.sh, the GPU machine's entry point: every step it names maps to a function of run.sh or to a step that
-the script beside it accepts, so `run.sh --list` and the per-capability scripts cannot drift apart. Runs no step."""
+the script beside it accepts, so `run.sh --list` and the per-capability scripts cannot drift apart. Runs no real
+step: the order of a failing step is checked on stand-in scripts."""
 import re
+import shutil
 import subprocess
 
 from pyllama_moe.paths import CI_DIR
@@ -38,3 +40,21 @@ def test_an_unknown_step_stops_before_anything_runs():
 def test_no_script_is_named_after_a_session_or_an_issue():
     names = sorted(p.name for p in GPU.iterdir())
     assert not [n for n in names if re.search(r"issue|^s\d+\.|diag|quick", n)], names
+
+
+def test_a_failed_step_stops_the_steps_after_it_unless_keep_going(tmp_path):
+    # run.sh copied beside stand-ins of common.sh and two step scripts: the identity step fails with 3
+    shutil.copy(GPU / "run.sh", tmp_path / "run.sh")
+    (tmp_path / "common.sh").write_text(f"T0=$SECONDS\nOUT={tmp_path / 'out'}\n")
+    (tmp_path / "prefetch.sh").write_text('echo "ran $1"; [ "$1" = identity ] && exit 3; exit 0\n')
+    (tmp_path / "layer-major.sh").write_text('echo "ran $1"\n')
+
+    def run(*steps):
+        return subprocess.run(["bash", str(tmp_path / "run.sh"), *steps], capture_output=True, text=True)
+
+    stopped = run("identity", "layer-major-short")
+    assert stopped.returncode == 3 and "ran short" not in stopped.stdout
+    went_on = run("KEEP_GOING=1", "identity", "layer-major-short")
+    assert went_on.returncode == 3 and "ran short" in went_on.stdout
+    assert "1 steps passed; failed: identity" in went_on.stdout
+    assert run("KEEP_GOING=1", "layer-major-short").returncode == 0
