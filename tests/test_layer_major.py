@@ -86,12 +86,13 @@ def test_a_ubatch_computed_before_the_ubatches_ahead_of_it_is_caught(patched_bui
 
 
 def _sim_run(build, src, model, env, *, tokens=SIM_TOKENS, n_ubatch=32, base_env=SIM_ENV, generate=4,
-             want_logits=True):
+             want_logits=True, prompt_sequences=None):
     """The prompt as one decode call on SIM with every expert on the host, then `generate` tokens. want_logits False:
-    the prompt outputs its last token alone, as llama-bench's and a chat's prompts do."""
+    the prompt outputs its last token alone, as llama-bench's and a chat's prompts do. prompt_sequences: the prompt
+    cut into sequences of these lengths (runner.RunSpec)."""
     spec = runner.RunSpec(model=model, tokens=tokens, n_ubatch=n_ubatch, n_batch=max(256, len(tokens)), threads=2,
                           generate=generate, cpu_moe=True, load_mode="none", repack=False, stats=True,
-                          want_logits=want_logits, env={**base_env, **env})
+                          want_logits=want_logits, env={**base_env, **env}, prompt_sequences=prompt_sequences)
     return runner.run(build, src, spec)
 
 
@@ -227,10 +228,8 @@ def test_a_first_ubatch_below_the_min_batch_keeps_the_staged_groups(patched_buil
     # routed experts of a weight not in place at split time, so the rest of the stage goes at the group's end: the
     # call stages and keeps what the stage queued whole does, and computes ubatch order's logits
     def run(env):
-        spec = runner.RunSpec(model=model, tokens=SIM_TOKENS[:48], n_ubatch=32, n_batch=256, threads=2, generate=1,
-                              cpu_moe=True, load_mode="none", repack=False, stats=True, prompt_sequences=[8, 40],
-                              env={**SIM_ENV, "LLAMA_LAYER_MAJOR_GROUPS": "2", **env})
-        return runner.run(patched_build, src, spec)
+        return _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_GROUPS": "2", **env}, tokens=SIM_TOKENS[:48],
+                        generate=1, prompt_sequences=[8, 40])
 
     base, got = run({"LLAMA_LAYER_MAJOR_PROMPT": "0"}), run({})
     whole = run({"LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE": "1"})

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's entry point: `ci/gpu/run.sh STEP [STEP...]` sources common.sh once, runs the named steps in
-# order (each writes into $OUT/STEP), prints each step's time and stops at the first that fails (KEEP_GOING=1: goes on), with its exit
-# status. A VAR=VALUE argument sets the environment of the steps after it (`run.sh ROUNDS=4 fit-bench`).
+# order (each writes into $OUT/STEP), prints each step's time and stops at the first that fails, with its exit
+# status (KEEP_GOING=1: runs the rest, then exits with it). A VAR=VALUE argument sets the environment of the steps
+# after it (`run.sh ROUNDS=4 fit-bench`).
 #   run.sh --list                      every step with what it does
 #   FOLLOW_S=560 run.sh --follow STEP...   starts the steps detached once (they outlive the device call), then
 #                                      follows them; repeat it until it prints "pipeline finished" (results in

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_moe.worker import ggml_lib
+from pyllama_moe.worker.batch import put_token
 from pyllama_moe.worker.fault import ScaledExpert
 from pyllama_moe.worker.model import loaded_model
 
@@ -321,11 +322,7 @@ def _parallel_steps(L, ctx, batch, tokens: list[int], last, n_gen: int, n_par: i
     for step in range(max(n_gen - 1, 0)):
         batch.n_tokens = n_par
         for s in range(n_par):
-            batch.token[s] = forced_token(s, step, n_vocab)
-            batch.pos[s] = len(tokens) + step
-            batch.n_seq_id[s] = 1
-            batch.seq_id[s][0] = s
-            batch.logits[s] = 1
+            put_token(batch, s, forced_token(s, step, n_vocab), len(tokens) + step, seq=s)
         rc = L.llama_decode(ctx, batch)
         if rc != 0:
             raise DecodeError(rc, f"llama_decode of {n_par} sequences")
@@ -361,11 +358,7 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
         chunk = tokens[off: off + n_batch]
         batch.n_tokens = len(chunk)
         for i, tok in enumerate(chunk):
-            batch.token[i] = tok
-            batch.pos[i] = start_pos + off + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = 1 if (want_logits or off + i == len(tokens) - 1) else 0
+            put_token(batch, i, tok, start_pos + off + i, output=want_logits or off + i == len(tokens) - 1)
         rc = L.llama_decode(ctx, batch)
         if rc != 0:
             raise DecodeError(rc, "llama_decode")
@@ -385,11 +378,7 @@ def _decode_sequences(L, ctx, batch, tokens: list[int], lengths: list[int], n_vo
     i = 0
     for seq, n in enumerate(lengths):
         for pos in range(n):
-            batch.token[i] = tokens[i]
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = 1
+            put_token(batch, i, tokens[i], pos, seq=seq)
             i += 1
     rc = L.llama_decode(ctx, batch)
     if rc != 0:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_moe.worker import ggml_lib
+from pyllama_moe.worker.batch import put_token
 from pyllama_moe.worker.model import loaded_model
 
 
@@ -49,11 +50,7 @@ def run(llama_cpp, req: dict, lib_dir: Path) -> dict:
         try:
             batch.n_tokens = n_tokens
             for i, tok in enumerate(tokens):
-                batch.token[i] = int(tok)
-                batch.pos[i] = i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1
+                put_token(batch, i, int(tok), i)
             t1 = time.monotonic()
             rc = llama_cpp.llama_decode(ctx, batch)
             t_decode = time.monotonic() - t1
