@@ -128,6 +128,37 @@ def test_host_experts_cross_once_per_group_on_sim(patched_build, src, model, mas
     assert prompt["prefetch_arena_bytes"] < prompt["prefetch_upload_bytes"]
 
 
+def _stream_queues(oplog):
+    """Each SIM queue's operations in the order they were queued (host synchronizations under the queue -1), without
+    their times. The lines of different queues interleave as the host and the streams happen to run; each queue's own
+    order is the program's."""
+    queues = {}
+    for line in oplog.read_text().splitlines():
+        op = json.loads(line)
+        queues.setdefault((op["dev"], op["inst"]), []).append((op["op"], op["tensor"], op["offset"], op["bytes"]))
+    return queues
+
+
+@pytest.mark.parametrize("n_tokens, same", [(32, True), (64, False)], ids=["one-ubatch", "two-ubatches"])
+def test_a_one_ubatch_prompt_and_decode_queue_the_same_operations_with_the_knob_on(patched_build, src, model, tmp_path,
+                                                                                   n_tokens, same):
+    # The one-ubatch prompt and decode rows are to be unchanged by the knob: a call of n_ubatch tokens or fewer leaves
+    # the planner before it plans, so each SIM queue gets the same uploads, copies, computes and waits in the same
+    # order, and the host synchronizes as often. A prompt of two ubatches runs layer-major with the knob on (its
+    # second ubatch finds the experts the first uploaded): the same comparison must see that
+    def run(order):
+        log = tmp_path / f"oplog-{n_tokens}-{order}.jsonl"
+        got = _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_PROMPT": order, "GGML_SIM_OPLOG": str(log)},
+                       tokens=SIM_TOKENS[:n_tokens])
+        return got, _stream_queues(log)
+
+    (off, off_queues), (on, on_queues) = run("0"), run("1")
+    assert on.logits_sha256 == off.logits_sha256
+    assert on.decode_logits_sha256 == off.decode_logits_sha256 and on.generated == off.generated
+    assert on.stats["prompt"]["n_layer_major_calls"] == (0 if same else 1)
+    assert (on_queues == off_queues) == same
+
+
 TIMES_LINE = re.compile(r"layer-major times: group (\d+) \(layers (\d+)-(\d+)\), (\d+) ubatches: .* uploaded ([\d.]+) MiB "
                         r"\(([\d.]+) staged\), ([\d.]+) MiB kept, (\d+) reallocations, (\d+) host "
                         r"synchronizations \((\d+) for uploads\) in (\d+) graphs")
