@@ -17,7 +17,7 @@ from pyllama_moe.harness.matrix import load_matrix
 from pyllama_moe.paths import CI_DIR, PROJECT_ROOT
 
 from ggml_program import source_dir
-from llama_tools import clean_env, cli_refusal
+from llama_tools import clean_env, cli_refusal, completion
 
 TOKENS = [(i * 7919) % 4000 + 16 for i in range(40)]  # 5 ubatches of 8
 SIM_TOKENS = [(i * 7919) % 4000 + 16 for i in range(160)]  # 5 ubatches of 32: the device computes the host experts
@@ -549,6 +549,7 @@ def tiny_file(tmp_path_factory):
 @pytest.mark.parametrize("argv, says", [
     (["bench", "--model", "{model}", "--", "-lmp", "2"], "argument -lmp (llama-bench)"),
     (["bench", "--model", "{model}", "--", "--layer-major-prompt", "0,1"], "bench pairs rows"),
+    (["bench", "--model", "{model}", "--", "-lms", "-5"], "argument -lms (llama-bench)"),
     (["run", "{model}", "--layer-major-prompt", "on", "--variant", "master"], "--layer-major-prompt needs the patched build"),
 ])
 def test_the_cli_refuses_a_bad_switch_in_one_line_before_any_work(tiny_file, tmp_path, argv, says):
@@ -569,3 +570,44 @@ def test_llama_bench_runs_both_orders_as_rows(patched_build, model):
     assert [row[col] for row in rows[2:]] == ["0", "1"]
     bad = bench("-lmp", "2")
     assert bad.returncode != 0 and "error: --layer-major-prompt 2: expected 0" in bad.stderr and "pp160" not in bad.stdout
+
+
+PLAN_LINE = re.compile(r"layer-major prompts: (\d+) layer groups? of the 4 layers.*: SIM0 ([\d.]+) of [\d.]+ MiB "
+                       r"\((of the budget set|of half the free memory)\)")
+
+
+def test_the_staging_flag_and_its_environment_variable_set_the_budget_and_bad_ones_are_refused(patched_build, model):
+    # a prompt of several ubatches on SIM with every expert on the host: the auto budget holds the tiny model's
+    # 6.4 MiB of host experts in one group; a budget of 4 MiB gives groups of at most half of it
+    prompt = "the quick brown fox jumps over the lazy dog " * 30
+
+    def complete(*args, **env):
+        return completion(patched_build, model, prompt, "-ncmoe", "4", "-ub", "32", "-b", "512", "-n", "2", *args,
+                          env={**SIM_ENV, **env})
+
+    plans = {}
+    for name, proc in (("auto", complete()), ("flag", complete("--layer-major-staging", "4")),
+                       ("env", complete(LLAMA_ARG_LAYER_MAJOR_STAGING="4"))):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans[name] = PLAN_LINE.search(proc.stderr).groups()
+    assert plans["auto"][0] == "1" and plans["auto"][2] == "of half the free memory"
+    assert plans["flag"] == plans["env"] and plans["flag"][1:] == ("2.0", "of the budget set")
+    assert int(plans["flag"][0]) > 1
+    for bad in (complete("--layer-major-staging", "-3"), complete(LLAMA_ARG_LAYER_MAJOR_STAGING="-3")):
+        assert bad.returncode != 0 and "expected MiB >= 0 (0: auto)" in bad.stderr and bad.stdout == ""
+
+
+def test_llama_bench_runs_staging_budgets_as_rows(patched_build, model):
+    def bench(*args):
+        return subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(model), "-p", "160", "-n", "0",
+                               "-b", "160", "-ub", "32", "-r", "1", "-t", "2", "-ngl", "99", "-ncmoe", "4", *args],
+                              capture_output=True, text=True, timeout=300, env=clean_env(**SIM_ENV))
+
+    md = bench("-lms", "0,4", "-o", "md")
+    assert md.returncode == 0, md.stderr[-2000:]
+    rows = [[c.strip() for c in ln.split("|")] for ln in md.stdout.splitlines() if ln.startswith("|")]
+    col = rows[0].index("lms")
+    assert [row[col] for row in rows[2:]] == ["0", "4"]
+    bad = bench("-lms", "-1")
+    assert bad.returncode != 0 and "invalid parameter for argument: -lms" in bad.stderr
+    assert "pp160" not in bad.stdout

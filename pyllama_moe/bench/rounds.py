@@ -33,7 +33,7 @@ TEST_FIELDS = ("n_prompt", "n_gen", "n_depth", "n_batch", "n_ubatch", "n_gpu_lay
 # pair across the builds by those), so one bench measures one value of each
 PATCHED_ONLY_DIMENSIONS = ("-mcm", "--moe-cache-mib", "-pf", "--sched-prefetch", "-pfd", "--sched-prefetch-depth",
                            "-pfs", "--sched-prefetch-staging", "-mmp", "--moe-miss-policy", "-lmp",
-                           "--layer-major-prompt")
+                           "--layer-major-prompt", "-lms", "--layer-major-staging")
 # rounds before an interval may stop a run: stopping as soon as an interval is narrow favours runs whose spread
 # came out small by chance, common with few rounds (docs/benchmarks.md, "The stopping rule")
 MIN_ROUNDS_FOR_TARGET = 5

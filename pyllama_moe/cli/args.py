@@ -117,6 +117,7 @@ _BENCH_NUMBERS = {
     ("-mcp", "--moe-cache-probe"): ("a cache probe", 0, 2), ("-sac", "--sched-async-cpu"): ("a switch", 0, 1),
     ("-pf", "--sched-prefetch"): ("a prefetch mode", 0, 2), ("-pfd", "--sched-prefetch-depth"): ("a depth", 2, 8),
     ("-pfs", "--sched-prefetch-staging"): ("a MiB count", 0, None), ("-lmp", "--layer-major-prompt"): ("a switch", 0, 1),
+    ("-lms", "--layer-major-staging"): ("a MiB count", 0, None),
 }
 BENCH_NUMBERS = {flag: rule for flags, rule in _BENCH_NUMBERS.items() for flag in flags}
 # llama-bench's flags whose elements are words, each checked as the build would parse it: what a value is, the rule
