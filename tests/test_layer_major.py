@@ -557,19 +557,23 @@ def test_the_cli_refuses_a_bad_switch_in_one_line_before_any_work(tiny_file, tmp
     assert says in stderr, stderr
 
 
-def test_llama_bench_runs_both_orders_as_rows(patched_build, model):
+@pytest.mark.parametrize("flag, values, bad, says", [
+    ("-lmp", "0,1", "2", "error: --layer-major-prompt 2: expected 0"),
+    ("-lms", "0,4", "-1", "invalid parameter for argument: -lms"),
+], ids=["order", "staging"])
+def test_llama_bench_runs_each_value_as_a_row_and_refuses_a_bad_one(patched_build, model, flag, values, bad, says):
     def bench(*args):
         return subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(model), "-p", "160", "-n", "0",
                                "-b", "160", "-ub", "32", "-r", "1", "-t", "2", "-ngl", "99", "-ncmoe", "4", *args],
                               capture_output=True, text=True, timeout=300, env=clean_env(**SIM_ENV))
 
-    md = bench("-lmp", "0,1", "-o", "md")
+    md = bench(flag, values, "-o", "md")
     assert md.returncode == 0, md.stderr[-2000:]
     rows = [[c.strip() for c in ln.split("|")] for ln in md.stdout.splitlines() if ln.startswith("|")]
-    col = rows[0].index("lmp")
-    assert [row[col] for row in rows[2:]] == ["0", "1"]
-    bad = bench("-lmp", "2")
-    assert bad.returncode != 0 and "error: --layer-major-prompt 2: expected 0" in bad.stderr and "pp160" not in bad.stdout
+    col = rows[0].index(flag[1:])  # the column is the short flag's name
+    assert [row[col] for row in rows[2:]] == values.split(",")
+    refused = bench(flag, bad)
+    assert refused.returncode != 0 and says in refused.stderr and "pp160" not in refused.stdout
 
 
 PLAN_LINE = re.compile(r"layer-major prompts: (\d+) layer groups? of the 4 layers.*: SIM0 ([\d.]+) of [\d.]+ MiB "
@@ -595,19 +599,3 @@ def test_the_staging_flag_and_its_environment_variable_set_the_budget_and_bad_on
     assert int(plans["flag"][0]) > 1
     for bad in (complete("--layer-major-staging", "-3"), complete(LLAMA_ARG_LAYER_MAJOR_STAGING="-3")):
         assert bad.returncode != 0 and "expected MiB >= 0 (0: auto)" in bad.stderr and bad.stdout == ""
-
-
-def test_llama_bench_runs_staging_budgets_as_rows(patched_build, model):
-    def bench(*args):
-        return subprocess.run([str(patched_build.tool("llama-bench")), "-m", str(model), "-p", "160", "-n", "0",
-                               "-b", "160", "-ub", "32", "-r", "1", "-t", "2", "-ngl", "99", "-ncmoe", "4", *args],
-                              capture_output=True, text=True, timeout=300, env=clean_env(**SIM_ENV))
-
-    md = bench("-lms", "0,4", "-o", "md")
-    assert md.returncode == 0, md.stderr[-2000:]
-    rows = [[c.strip() for c in ln.split("|")] for ln in md.stdout.splitlines() if ln.startswith("|")]
-    col = rows[0].index("lms")
-    assert [row[col] for row in rows[2:]] == ["0", "4"]
-    bad = bench("-lms", "-1")
-    assert bad.returncode != 0 and "invalid parameter for argument: -lms" in bad.stderr
-    assert "pp160" not in bad.stdout
