@@ -59,6 +59,17 @@ skew_model() { # the Qwen3-30B-A3B shape with routing skew 0.5, written once
     echo "$m"
 }
 
+FAILED_SUBSETS=""
+identity_subset() { # $1: seconds at most, $2: a compare subset, $3: the name of its JSON and text in $OUT; a failed
+    # cell is noted in FAILED_SUBSETS, so the step's other checks still run before identity_verdict fails it
+    timeout "$1" python3 -m pyllama_moe compare --subset "$2" --backend cuda --archive-dir $A --json "$OUT/$3.json" 2>&1 \
+        | tee "$OUT/$3.txt" || FAILED_SUBSETS="$FAILED_SUBSETS $2"
+}
+
+identity_verdict() { # 1 where a subset run by identity_subset had a failed cell
+    [ -z "$FAILED_SUBSETS" ] || { echo "identity: a cell failed in:$FAILED_SUBSETS"; return 1; }
+}
+
 bench() { # $1: seconds at most, then pyllama-moe bench arguments; the model is BENCH_MODEL, else the 30B one
     local limit=$1; shift
     timeout "$limit" python3 -m pyllama_moe bench --model "${BENCH_MODEL:-$MODEL}" --backend cuda --archive-dir $A "$@"

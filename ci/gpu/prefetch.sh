@@ -47,10 +47,8 @@ identity)
     wait_builds 300 || exit 1
     # IDENTITY_SUBSETS names fewer subsets where device time is short. The step fails where a cell failed, after
     # every subset ran (run.sh then stops, unless KEEP_GOING=1)
-    failed=""
     for s in ${IDENTITY_SUBSETS:-gpu-variants gpu layer-major}; do
-        timeout 400 python3 -m pyllama_moe compare --subset $s --backend cuda --archive-dir $A --json "$OUT/identity-$s.json" 2>&1 | tee "$OUT/identity-$s.txt" \
-            || failed="$failed $s"
+        identity_subset 400 "$s" "identity-$s"
     done
     # the syncs need the 30B model of `run.sh build`; after build-skew or build-patched there is none
     if [ -f "$MODEL" ]; then
@@ -58,7 +56,7 @@ identity)
     else
         echo "host syncs per token not counted: no $MODEL (run.sh build writes it)" | tee "$OUT/syncs.txt"
     fi
-    [ -z "$failed" ] || { echo "identity: a cell failed in:$failed"; exit 1; }
+    identity_verdict || exit 1
     ;;
 sanitizer-pieces)
     # the same with a 1 MiB ring (under two of the tiny model's 0.53 MiB largest split): lookahead 1, every upload

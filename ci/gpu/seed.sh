@@ -17,9 +17,7 @@ case $step in
 check)
     wait_builds 300 || exit 1
     # the step fails where a cell failed, after the seed checks ran
-    failed=""
-    timeout 300 python3 -m pyllama_moe compare --subset moe-cache --backend cuda --archive-dir $A --json "$OUT/identity-seed.json" \
-        2>&1 | tee "$OUT/identity-seed.txt" || failed=" moe-cache"
+    identity_subset 300 moe-cache identity-seed
     P=$(patched_bin)
     tiny_prompt
     LLAMA_MOE_CACHE_MIB=2 LLAMA_MOE_CACHE_DEBUG_CHECK_SEED=1 timeout 120 "$P/llama-completion" -m "$SMALL" -ngl 99 -cmoe \
@@ -32,7 +30,7 @@ check)
         -ncmoe 48 -ub 512 -b 4096 -c 4200 -lm none -f /tmp/prompt.txt -n 16 --temp 0 --fit off -no-cnv -v > "$OUT/seed-check-30b.txt" 2>&1
     echo "seed check, 30B shape skew 0.5, 7800 MiB, ub 512: exit $?"
     grep -E "seed check|expert cache, prompts|expert cache, decode" "$OUT/seed-check-30b.txt" | head -6
-    [ -z "$failed" ] || { echo "identity: a cell failed in:$failed"; exit 1; }
+    identity_verdict || exit 1
     ;;
 first)
     wait_builds 60 || exit 1
