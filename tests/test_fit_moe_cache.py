@@ -21,15 +21,15 @@ import pytest
 
 from pyllama_moe.paths import PROJECT_ROOT
 
+from fit_tools import TARGET_MIB, corpus, fit_args, free_at_exit, generate, model, prompt, run_tool  # noqa: F401 (fixtures)
+
 SOURCES = [PROJECT_ROOT / "native" / "common" / "fit-moe-cache.cpp", PROJECT_ROOT / "tests" / "native" / "test_fit_moe_cache.cpp"]
-TARGET_MIB = 16
 # SIM0 at 96 MiB: the 91 MB model's dense part and compute (~25 MiB with the experts on the host), its staging (4 x the
 # 4.25 MiB expert tensor) and the target leave ~38 MiB of room, above the least cache (4 of 32 slots in 6 layers,
 # ~10 MiB) and below the experts (80 MiB)
 SIM = {"GGML_SIM_DEVICES": "1", "GGML_SIM_MEMORY_MIB": "96", "GGML_SCHED_PREFETCH": "2",
        "GGML_SCHED_PREFETCH_HEADROOM_MIB": "4"}
 PLAN = "common_fit_moe_cache: "
-BREAKDOWN = re.compile(r"\|\s+- (SIM\d) \(.*?\)\s*\|\s*(\d+) =\s*(\d+) \+")  # the description has parentheses
 
 
 def _cases() -> list[str]:
@@ -61,87 +61,30 @@ def test_decision(decide, case):
     assert got.returncode == 0 and got.stdout.strip() == f"ok {case}", got.stdout + got.stderr
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fit-model") / "fit6.gguf"
-    subprocess.run([sys.executable, "-m", "pyllama_moe", "synth", "--preset", "small", "--layers", "6", "--vocab", "4000",
-                    "--type", "q8_0", "--skew", "0.5", "-o", str(path), "--quiet"], check=True)
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus(model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("fit-corpus") / "corpus.txt"
-    subprocess.run([sys.executable, "-m", "pyllama_moe", "corpus", "--model", str(model), "--tokens", "1200", "-o", str(path)],
-                   check=True, capture_output=True)
-    return path
-
-
-@pytest.fixture(scope="module")
-def prompt(corpus):
-    """About 400 tokens of the corpus: a prompt that fits the 1024-token context with its generated tokens."""
-    path = corpus.with_name("prompt.txt")
-    path.write_text(corpus.read_text()[:1500])
-    return path
-
-
-def _tool(build, name: str, args: list[str], env: dict[str, str]) -> str:
-    proc = subprocess.run([str(build.tool(name)), *args], capture_output=True, text=True, errors="replace", timeout=300, env={**_base_env(), **env})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{name} failed (exit {proc.returncode}):\n" + "\n".join(out.splitlines()[-20:])
-    return out
-
-
-def _base_env() -> dict[str, str]:
-    import os
-    return {k: v for k, v in os.environ.items() if not k.startswith(("GGML_", "LLAMA_"))}
-
-
-def _generate(build, model, prompt, env, *args) -> tuple[str, str]:
-    """(generated text, log) of 24 greedy tokens of llama-completion."""
-    proc = subprocess.run([str(build.tool("llama-completion")), "-m", str(model), "-f", str(prompt), "-n", "24", "--temp", "0",
-                           "-no-cnv", "--ignore-eos", "-c", "1024", "-ub", "256", "-t", "2", "-v", *args],
-                          capture_output=True, text=True, errors="replace", timeout=300, env={**_base_env(), **env})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, proc.stderr
-
-
-def _fit(*extra: str) -> list[str]:
-    return ["--fit", "on", "-fitt", str(TARGET_MIB), *extra]
-
-
-def _free_at_exit(log: str) -> dict[str, int]:
-    """Free MiB per SIM device in the memory breakdown printed at exit (the last table of the log)."""
-    free = {}
-    for dev, _total, f in BREAKDOWN.findall(log):
-        free[dev] = int(f)  # later tables replace the measurements' ones
-    return free
-
-
 def test_fit_gives_the_room_to_the_cache_and_keeps_the_target(patched_build, model, prompt):
-    text, log = _generate(patched_build, model, prompt, SIM, *_fit("--moe-cache-mib", "1000"))
+    text, log = generate(patched_build, model, prompt, SIM, *fit_args("--moe-cache-mib", "1000"))
     plan = next(line for line in log.splitlines() if PLAN in line and "getting" not in line)
     assert "every MoE layer's experts on the host, the expert cache takes the room" in plan, plan
     cap = int(re.search(r"SIM0 (\d+) MiB of cache \((\d+) MiB of staging", plan).group(1))
     assert re.search(rf"expert cache on SIM0: {cap} MiB of the 1000 MiB asked, the room --fit left it", log), log[-3000:]
     assert re.search(r"expert cache on SIM0: [0-9.]+ MiB, 6 MoE layers with their experts on the host", log)
     assert "host-weight prefetch on" in log  # the staging the plan kept room for was allocated
-    assert _free_at_exit(log)["SIM0"] >= TARGET_MIB, _free_at_exit(log)
+    assert free_at_exit(log)["SIM0"] >= TARGET_MIB, free_at_exit(log)
     hits = re.search(r"expert cache, decode: \d+ layer steps, (\d+) hits", log)
     assert hits and int(hits.group(1)) > 0
 
 
 def test_a_budget_below_the_room_leaves_the_rest_to_layers(patched_build, model, prompt):
-    _, log = _generate(patched_build, model, prompt, SIM, *_fit("--moe-cache-mib", "12"))
+    _, log = generate(patched_build, model, prompt, SIM, *fit_args("--moe-cache-mib", "12"))
     assert "expert cache first, then whole layers: the budget is less than the room; SIM0 12 MiB of cache" in log
     # some layers' experts went to the device: fewer than 6 cached layers
     n_layers = int(re.search(r"expert cache on SIM0: [0-9.]+ MiB, (\d+) MoE layers", log).group(1))
     assert 0 < n_layers < 6
-    assert _free_at_exit(log)["SIM0"] >= TARGET_MIB
+    assert free_at_exit(log)["SIM0"] >= TARGET_MIB
 
 
 def test_no_room_for_the_least_cache_places_layers_and_no_cache(patched_build, model, prompt):
-    _, log = _generate(patched_build, model, prompt, {**SIM, "GGML_SIM_MEMORY_MIB": "56"}, *_fit("--moe-cache-mib", "1000"))
+    _, log = generate(patched_build, model, prompt, {**SIM, "GGML_SIM_MEMORY_MIB": "56"}, *fit_args("--moe-cache-mib", "1000"))
     plan = next(line for line in log.splitlines() if PLAN in line and "getting" not in line)
     assert "expert cache off, layers placed as without it" in plan and "below the" in plan, plan
     assert "no expert cache on SIM0: --fit left it no room" in log
@@ -149,20 +92,20 @@ def test_no_room_for_the_least_cache_places_layers_and_no_cache(patched_build, m
 
 def test_two_devices_of_unequal_memory_each_keep_their_target(patched_build, model, prompt):
     env = {**SIM, "GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "80,56"}
-    _, log = _generate(patched_build, model, prompt, env, *_fit("--moe-cache-mib", "1000"))
+    _, log = generate(patched_build, model, prompt, env, *fit_args("--moe-cache-mib", "1000"))
     plan = next(line for line in log.splitlines() if PLAN in line and "getting" not in line)
     caps = {d: int(c) for d, c in re.findall(r"(SIM\d) (\d+) MiB of cache", plan)}
     assert set(caps) == {"SIM0", "SIM1"} and caps["SIM0"] != caps["SIM1"], plan
     for dev, cap in caps.items():
         assert re.search(rf"expert cache on {dev}: {cap} MiB of the 1000 MiB asked", log), dev
-    free = _free_at_exit(log)
+    free = free_at_exit(log)
     assert free["SIM0"] >= TARGET_MIB and free["SIM1"] >= TARGET_MIB, free
 
 
 def test_llama_bench_fits_each_test_with_its_own_budget(patched_build, model):
     # -mcm 0 first: its fit must not leave a cap or a budget behind for the second test, whose fit sizes its cache
     # (the prefetch and cache settings are applied before the fit)
-    out = _tool(patched_build, "llama-bench", ["-m", str(model), "-p", "0", "-n", "16", "-r", "1", "-t", "2", "-fitt",
+    out = run_tool(patched_build, "llama-bench", ["-m", str(model), "-p", "0", "-n", "16", "-r", "1", "-t", "2", "-fitt",
                                                str(TARGET_MIB), "-mcm", "0,1000", "-o", "json"], SIM)
     rows, _ = json.JSONDecoder().raw_decode(out[out.index("["):])
     by_budget = {r["moe_cache_mib"]: r for r in rows}
@@ -181,9 +124,9 @@ def test_fitted_runs_compute_what_master_computes(patched_build, master_build, s
 
     common = ["-m", str(model), "-f", str(corpus), "-c", "256", "-b", "256", "-ub", "256", "--chunks", "3", "-t", "2",
               "--no-warmup"]
-    _tool(master_build, "llama-perplexity", [*common, "--fit", "off", "-ngl", "0", "--kl-divergence-base",
+    run_tool(master_build, "llama-perplexity", [*common, "--fit", "off", "-ngl", "0", "--kl-divergence-base",
                                              str(tmp_path / "master.kld")], {})
-    log = _tool(patched_build, "llama-perplexity", [*common, *_fit("--moe-cache-mib", "1000"), "--kl-divergence-base",
+    log = run_tool(patched_build, "llama-perplexity", [*common, *fit_args("--moe-cache-mib", "1000"), "--kl-divergence-base",
                                                     str(tmp_path / "fit.kld")], SIM)
     plan = next(line for line in log.splitlines() if PLAN in line and "getting" not in line)
     assert "every MoE layer's experts on the host" in plan, plan
@@ -226,7 +169,7 @@ def test_several_devices_that_hold_every_weight_together_plan_no_cache(patched_b
     """Two devices each short of its default share but together holding every weight: --fit's layers put every expert
     on a device, which no cache beats (before: every expert went to the host for a cache)."""
     env = {**SIM, "GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "75,75"}
-    _, log = _generate(patched_build, model, prompt, env, *_fit("--moe-cache-mib", "1000"))
+    _, log = generate(patched_build, model, prompt, env, *fit_args("--moe-cache-mib", "1000"))
     assert "expert cache not planned: whole layers fit every expert on the devices together" in log
     assert "MiB of the 1000 MiB asked" not in log
 
@@ -234,9 +177,9 @@ def test_several_devices_that_hold_every_weight_together_plan_no_cache(patched_b
 def test_the_plan_keeps_the_prefetch_headroom_free(patched_build, model, prompt):
     """A target below the scheduler's prefetch headroom: the plan keeps the headroom free beside the staging, so the
     staging it planned is allocated whole (before: the arena was halved, then dropped, its room left idle)."""
-    _, log = _generate(patched_build, model, prompt, {**SIM, "GGML_SCHED_PREFETCH_HEADROOM_MIB": "24"},
-                       *_fit("--moe-cache-mib", "1000"))
+    _, log = generate(patched_build, model, prompt, {**SIM, "GGML_SCHED_PREFETCH_HEADROOM_MIB": "24"},
+                       *fit_args("--moe-cache-mib", "1000"))
     assert "every MoE layer's experts on the host" in log
     assert "host-weight prefetch on SIM0: staging arena 17.00 MiB" in log
     assert "reduced to" not in log and "host-weight prefetch disabled" not in log
-    assert _free_at_exit(log)["SIM0"] >= 24
+    assert free_at_exit(log)["SIM0"] >= 24

@@ -86,9 +86,9 @@ LLAMA_MOE_API int32_t llama_moe_get_sched_async_cpu(const struct llama_context *
 // experts of --cpu-moe, -ncmoe) is computed layer group by layer group: each group runs every ubatch of the call in
 // order, and its host weights are uploaded once for the call, not once per ubatch. Logits, the KV cache and what
 // later calls see are the same bytes as in ubatch order. Groups hold as many layers as the staging budget per device
-// allows (the set budget, else half the device's free memory beyond the prefetch headroom, when the context first
-// plans). Off for calls with an eval callback, embeddings, recurrent or hybrid memory, and (for now) the expert cache,
-// said once per context. Precedence: per-context setter > process default (set below, or --layer-major-prompt) >
+// allows (the set budget, else half the device's free memory beyond the prefetch headroom when the context first
+// plans, at least what --fit reserved). Off for calls with an eval callback, embeddings, and recurrent or hybrid
+// memory, said once per context. Precedence: per-context setter > process default (set below, or --layer-major-prompt) >
 // LLAMA_LAYER_MAJOR_PROMPT > on. Process default: 0 off, 1 on, -1 unsets it. Per context: 0 or 1; -1 takes the
 // process default again.
 LLAMA_MOE_API void    llama_moe_default_set_layer_major_prompt(int32_t on);
@@ -99,6 +99,17 @@ LLAMA_MOE_API int32_t llama_moe_get_layer_major_prompt(const struct llama_contex
 // 0 auto, -1 unsets it (then LLAMA_LAYER_MAJOR_STAGING_MIB, then auto). The getter returns the value in effect.
 LLAMA_MOE_API void    llama_moe_default_set_layer_major_staging_mib(int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_staging_mib(void);
+// The least staging budget that lets this model's prompts run layer-major where its experts stay on the host: twice
+// the feed-forward tensors of its largest layer with experts (what --cpu-moe, -ncmoe and --fit keep on the host, and
+// all of them where --fit keeps only a layer's attention on a device), one group computing while the next one's
+// upload goes into the other region; in bytes, 0 where the model has no experts or its architecture no layer groups.
+LLAMA_MOE_API size_t  llama_moe_layer_major_least_staging(const struct llama_model * model);
+// The staging budget --fit kept free for layer groups in MiB, on the device that stages host weights: an auto budget
+// there is at least this much, as far as the device's free memory and the prefetch's ring leave the headroom free (a
+// set budget is what was set). >= 0 sets it, -1 unsets it; each --fit sets it or unsets it. The getter returns the
+// value in effect, 0 for none.
+LLAMA_MOE_API void    llama_moe_default_set_layer_major_fit_reserve_mib(int64_t mib);
+LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_fit_reserve_mib(void);
 
 // --- statistics ---
 // Counters of the context's scheduler since it was last reserved or the stats were reset.

@@ -17,6 +17,9 @@ bool llama_moe_sched_async_cpu_context_default();
 // through the log; callers read it once)
 int64_t llama_moe_env_whole(const char * name, int64_t lo, int64_t hi);
 
+// whether a tensor of this name is an expert weight: what --cpu-moe, -ncmoe and --fit keep in host memory
+bool llama_moe_is_expert_tensor(const std::string & name);
+
 // the expert cache budget per device in MiB a new context takes: process default (llama-moe.h setter or
 // --moe-cache-mib), else LLAMA_MOE_CACHE_MIB, else 0 (off)
 int64_t llama_moe_cache_context_mib();

@@ -19,6 +19,7 @@
 
 static std::atomic<int32_t> g_layer_major{-1};      // process default, -1: unset
 static std::atomic<int64_t> g_layer_major_mib{-1};  // process default staging budget in MiB, -1: unset
+static std::atomic<int64_t> g_layer_major_fit_mib{-1}; // the staging --fit kept free in MiB, -1: none
 
 bool llama_moe_layer_major_context_default() {
     const int32_t set = g_layer_major.load();
@@ -255,6 +256,8 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     // other half stays for the rest of the context's life), at most all its host weights
     std::map<ggml_backend_dev_t, size_t> budget;
     const size_t set = layer_major_staging_bytes();
+    bool fit_reserved = false; // a budget is what --fit kept free, more than half the free memory
+    ggml_backend_t stager = offload_backend(sched); // where every group's copies are staged
     for (const auto & [dev, sum] : total) {
         bool prefetch = false;
         for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
@@ -273,6 +276,15 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
             size_t free = 0, all = 0;
             ggml_backend_dev_memory(dev, &free, &all);
             room = free > cparams.prefetch.headroom ? (free - cparams.prefetch.headroom) / 2 : 0;
+            if (stager != nullptr && ggml_backend_get_device(stager) == dev) {
+                // --fit kept this much free beside its target, where half of its target could not hold two groups.
+                // The groups' arena replaces the prefetch's ring, and must leave the headroom free
+                const size_t avail = free + ggml_backend_sched_get_prefetch_size(sched, stager);
+                const size_t fit = std::min((size_t) std::max<int64_t>(0, g_layer_major_fit_mib.load()) * 1024 * 1024,
+                                            avail > cparams.prefetch.headroom ? avail - cparams.prefetch.headroom : 0);
+                fit_reserved = fit_reserved || fit > room;
+                room = std::max(room, fit);
+            }
         }
         budget[dev] = room;
     }
@@ -315,7 +327,8 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
                    "host weights): %s%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
                    lm.groups.size() == 1 ? "" : "s", n_layer,
                    lm.groups.size() == 1 ? "" : ", each group's weights uploaded while the group before runs",
-                   devs.c_str(), set > 0 ? " (of the budget set)" : " (of half the free memory)", layer_major_min_ubatches());
+                   devs.c_str(), set > 0 ? " (of the budget set)" : fit_reserved ? " (of the staging --fit kept free)" :
+                   " (of half the free memory)", layer_major_min_ubatches());
 }
 
 llama_moe_layer_groups llama_moe_layer_major_groups(llama_moe_layer_major & lm, const llama_model & model,
@@ -634,4 +647,39 @@ int64_t llama_moe_default_get_layer_major_staging_mib(void) {
         mib = (int64_t) (layer_major_staging_bytes() / 1024 / 1024);
     }
     return mib;
+}
+
+size_t llama_moe_layer_major_least_staging(const llama_model * model) {
+    if (!layer_major_arch_ok(model->arch)) {
+        return 0;
+    }
+    // a layer with experts counts all its feed-forward tensors: where --fit keeps only a layer's attention on the
+    // device, its router and shared experts are host weights too
+    std::vector<size_t> bytes(model->hparams.n_layer(), 0);
+    std::vector<bool>   experts(bytes.size(), false);
+    for (const auto & [name, t] : model->tensors_by_name) {
+        int il = -1, n = 0;
+        if (sscanf(name.c_str(), "blk.%d.%n", &il, &n) == 1 && n > 0 && il >= 0 && il < (int) bytes.size() &&
+            name.compare(n, 4, "ffn_") == 0) {
+            bytes[il] += ggml_nbytes(t);
+            experts[il] = experts[il] || llama_moe_is_expert_tensor(name);
+        }
+    }
+    size_t largest = 0;
+    for (size_t il = 0; il < bytes.size(); il++) {
+        largest = experts[il] ? std::max(largest, bytes[il]) : largest;
+    }
+    return 2 * largest;
+}
+
+void llama_moe_default_set_layer_major_fit_reserve_mib(int64_t mib) {
+    if (mib < -1 || mib > INT32_MAX) {
+        LLAMA_LOG_ERROR("llama_moe: layer-major --fit reserve %" PRId64 " MiB is out of range (-1 unsets); left as it was\n", mib);
+        return;
+    }
+    g_layer_major_fit_mib.store(mib);
+}
+
+int64_t llama_moe_default_get_layer_major_fit_reserve_mib(void) {
+    return std::max<int64_t>(0, g_layer_major_fit_mib.load());
 }

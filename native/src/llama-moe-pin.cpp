@@ -4,6 +4,7 @@
 #include "llama-impl.h"
 #include "llama-model.h"
 #include "llama-moe.h"
+#include "llama-moe-impl.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -17,7 +18,6 @@
 #include <fstream>
 #include <map>
 #include <mutex>
-#include <regex>
 #include <string>
 
 #ifndef _WIN32
@@ -322,7 +322,6 @@ static bool is_inside(const ggml_tensor * t, const std::vector<pin_range> & rang
 void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair<void *, size_t>> & maps) {
     // the expert tensors (what --cpu-moe and -ncmoe match) that are read from a mapped file, per mapping (one per
     // file of a split model)
-    static const std::regex re_exps("\\.ffn_(up|down|gate|gate_up)_(ch|)exps");
     std::vector<std::vector<ggml_tensor *>> map_tensors(maps.size());
     std::vector<std::vector<std::pair<uintptr_t, uintptr_t>>> map_spans(maps.size()); // every host tensor read from it
     std::vector<ggml_tensor *> tensors;
@@ -341,7 +340,7 @@ void llama_moe_pin_experts_load(llama_model & model, const std::vector<std::pair
         const size_t idx = m - maps.begin();
         map_spans[idx].emplace_back((uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t));
         mapped_spans.push_back(map_spans[idx].back());
-        if (std::regex_search(name, re_exps)) {
+        if (llama_moe_is_expert_tensor(name)) {
             map_tensors[idx].push_back(t);
             tensors.push_back(t);
             n_bytes += ggml_nbytes(t);
