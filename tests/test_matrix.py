@@ -1,4 +1,5 @@
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -238,7 +239,9 @@ def test_the_parallel_cells_parse_with_a_by_path_baseline_on_sim_and_cuda(tmp_pa
     assert async_parallel and {c.label for c in m.cells("ci") if c.parallel > 1} == \
         {c.label for c in cells if c.backend == "sim"} | async_parallel
     assert not [c for c in m.cells("moe-cache") if c.parallel > 1]
-    assert "--subset moe-cache-parallel --backend cuda" in (CI_DIR / "gpu" / "cache.sh").read_text()
+    # (ci/gpu/common.sh's identity_subset compares a subset's CUDA cells)
+    assert re.search(r"^\s*identity_subset \d+ moe-cache-parallel ", (CI_DIR / "gpu" / "cache.sh").read_text(), re.M)
+    assert "--subset \"$2\" --backend cuda" in (CI_DIR / "gpu" / "common.sh").read_text()
     with pytest.raises(ValueError, match="by-path"):
         cells[0].placement(baseline=True)
     for backend, option, why in (("sim", 'offload = "ngl-2"', "experts on the host"), ("cpu", "", "GPU-like backend"),

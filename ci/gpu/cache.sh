@@ -40,12 +40,8 @@ case $step in
 identity)
     wait_builds 300 || exit 1
     # the step fails where a cell failed, after the memcheck and the planted refusal ran
-    failed=""
-    timeout 300 python3 -m pyllama_moe compare --subset moe-cache --backend cuda --archive-dir $A --json "$OUT/identity-moe-cache.json" \
-        2>&1 | tee "$OUT/identity-moe-cache.txt" || failed="$failed moe-cache"
-    timeout 300 python3 -m pyllama_moe compare --subset moe-cache-parallel --backend cuda --archive-dir $A \
-        --json "$OUT/identity-moe-cache-parallel.json" 2>&1 | tee "$OUT/identity-moe-cache-parallel.txt" \
-        || failed="$failed moe-cache-parallel"
+    identity_subset 300 moe-cache identity-moe-cache
+    identity_subset 300 moe-cache-parallel identity-moe-cache-parallel
     P=$(patched_bin)
     tiny_prompt
     LLAMA_MOE_CACHE_MIB=2 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$P/llama-completion" -m "$SMALL" \
@@ -58,7 +54,7 @@ identity)
         -f /tmp/prompt.txt -n 16 --temp 0 --fit off -no-cnv -v > "$OUT/refusal-moe-cache.txt" 2>&1
     echo "planted refusal (expert cache, 2 MiB): exit $? (a failed decode call exits non-zero)"
     grep -E "DEBUG_REFUSE|was refused|failed to eval" "$OUT/refusal-moe-cache.txt" | head -3
-    [ -z "$failed" ] || { echo "identity: a cell failed in:$failed"; exit 1; }
+    identity_verdict || exit 1
     ;;
 pp-master|pp-off|pp-32k|pp)
     wait_builds 60 || exit 1
