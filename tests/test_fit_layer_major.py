@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from fit_tools import corpus, model, prompt  # noqa: F401 (fixtures)
 from fit_tools import TARGET_MIB, base_env, fit_args, free_at_exit, generate, model_on_device, run_tool
 
@@ -86,6 +88,18 @@ def test_experts_the_user_keeps_on_the_host_get_the_staging_too(patched_build, m
     kept = KEPT.search(log)
     assert kept and kept.group(1) == "27" and "for the experts kept on the host" in kept.group(3), log[-3000:]
     assert CALL.search(log), log[-3000:]
+
+
+@pytest.mark.parametrize("memory, args, why", [
+    ("60", ["--cpu-moe"], r"with the context set, SIM0 has \d+ MiB of room, less than the 27 MiB of the staging"),
+    ("200", ["-ot", "exps=SIM0"], r"the tensor overrides keep no layer's experts on the host"),
+], ids=["no-room-beside-a-context-set", "no-host-experts"])
+def test_user_overrides_keep_nothing_where_it_cannot_be_used(patched_build, model, prompt, memory, args, why):
+    # a context the user set is not shrunk for the staging (before: the fit failed where the staging did not fit
+    # beside it, and kept staging for overrides that leave nothing on the host)
+    _, log = generate(patched_build, model, prompt, {**SIM, "GGML_SIM_MEMORY_MIB": memory}, *fit_args(*args))
+    assert re.search("no staging kept free: " + why, log), log[-3000:]
+    assert not KEPT.search(log) and "failed to fit" not in log
 
 
 def test_a_call_of_one_ubatch_keeps_nothing_free(patched_build, model, corpus, tmp_path):
