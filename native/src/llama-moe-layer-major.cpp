@@ -280,7 +280,7 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
                 // --fit kept this much free beside its target, where half of its target could not hold two groups.
                 // The groups' arena replaces the prefetch's ring, and must leave the headroom free
                 const size_t avail = free + ggml_backend_sched_get_prefetch_size(sched, stager);
-                const size_t fit = std::min((size_t) std::max<int64_t>(0, g_layer_major_fit_mib.load()) * 1024 * 1024,
+                const size_t fit = std::min((size_t) llama_moe_default_get_layer_major_fit_reserve_mib() * 1024 * 1024,
                                             avail > cparams.prefetch.headroom ? avail - cparams.prefetch.headroom : 0);
                 fit_reserved = fit_reserved || fit > room;
                 room = std::max(room, fit);
