@@ -22,8 +22,8 @@ from fit_tools import TARGET_MIB, base_env, fit_args, free_at_exit, generate, mo
 SIM = {"GGML_SIM_DEVICES": "1", "GGML_SIM_MEMORY_MIB": "96", "GGML_SCHED_PREFETCH": "2",
        "GGML_SCHED_PREFETCH_HEADROOM_MIB": "4", "GGML_SCHED_PREFETCH_MIN_BATCH": "32"}
 KEPT = re.compile(r"layer-major prompts: (\d+) MiB kept free on (SIM\d) for the staging of two layer groups \(([^)]*)\)")
-PLANNED = re.compile(r"layer-major prompts: (\d+) layer groups? of the 6 layers.*a group's budget per device \(of its host "
-                     r"weights\): SIM0 ([0-9.]+) of ([0-9.]+) MiB \(([^)]*)\)")
+PLANNED = re.compile(r"layer-major prompts: (\d+) layer groups? of the 6 layers.*a group's budget on SIM0 \(of the host "
+                     r"weights\): ([0-9.]+) of ([0-9.]+) MiB \(([^)]*)\)")
 CALL = re.compile(r"layer-major prompt: (\d+) tokens in (\d+) ubatches, (\d+) layer groups?")
 
 
@@ -43,6 +43,28 @@ def test_fit_keeps_two_layer_groups_free_and_the_prompt_runs_layer_major(patched
     _, off = generate(patched_build, model, prompt, SIM, *fit_args("--layer-major-prompt", "0"))
     assert model_on_device(log) < model_on_device(off) - 20, (model_on_device(log), model_on_device(off))
     assert free_at_exit(log)["SIM0"] >= TARGET_MIB, free_at_exit(log)
+
+
+def test_with_two_devices_every_group_takes_the_budget_of_the_device_that_stages_it(patched_build, model, prompt):
+    """Two SIM devices, both too small for their layers' experts. The scheduler offloads every op that reads a host
+    weight to SIM0, whose prefetch stages every group's copies, and --fit keeps the staging free there; --fit fills
+    SIM1 to its target. Before, each group's budget was its layers' own device's: SIM1's half of its 16 MiB beyond the
+    headroom could not hold a layer, and the context kept ubatch order."""
+    two = {**SIM, "GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "72,40"}
+    text, log = generate(patched_build, model, prompt, two, *fit_args())
+    kept = KEPT.search(log)
+    assert kept and kept.group(1) == "27" and kept.group(2) == "SIM0", log[-3000:]
+    sim1 = re.findall(r"common_params_fit_impl:\s+- SIM1 .*?(\d+) layers \(\s*(\d+) overflowing\)", log)
+    assert sim1 and int(sim1[-1][1]) > 0, "no layer of SIM1 keeps experts on the host"
+    assert free_at_exit(log)["SIM1"] < TARGET_MIB + 4, free_at_exit(log)
+    planned = PLANNED.search(log)
+    assert planned and planned.group(4) == "of the staging --fit kept free" and int(planned.group(1)) >= 2, log[-3000:]
+    call = CALL.search(log)
+    assert call and int(call.group(3)) == int(planned.group(1)), log[-3000:]
+    assert "more than a layer group may stage" not in log
+    # SIM computes with the CPU's kernels wherever a weight is: the text of ubatch order
+    off_text, _ = generate(patched_build, model, prompt, two, *fit_args("--layer-major-prompt", "0"))
+    assert text == off_text
 
 
 def test_fit_computes_the_same_log_probs_as_without_layer_major_prompts(patched_build, model, corpus, tmp_path):

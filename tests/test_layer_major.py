@@ -576,8 +576,8 @@ def test_llama_bench_runs_each_value_as_a_row_and_refuses_a_bad_one(patched_buil
     assert refused.returncode != 0 and says in refused.stderr and "pp160" not in refused.stdout
 
 
-PLAN_LINE = re.compile(r"layer-major prompts: (\d+) layer groups? of the 4 layers.*: SIM0 ([\d.]+) of [\d.]+ MiB "
-                       r"\((of the budget set|of half the free memory)\)")
+PLAN_LINE = re.compile(r"layer-major prompts: (\d+) layer groups? of the 4 layers.*a group's budget on SIM0 \(of the host "
+                       r"weights\): ([\d.]+) of [\d.]+ MiB \((of the budget set|of half the free memory)\)")
 
 
 def test_the_staging_flag_and_its_environment_variable_set_the_budget_and_bad_ones_are_refused(patched_build, model):

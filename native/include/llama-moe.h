@@ -85,18 +85,19 @@ LLAMA_MOE_API int32_t llama_moe_get_sched_async_cpu(const struct llama_context *
 // A decode call of at least LLAMA_LAYER_MAJOR_MIN_UBATCHES ubatches (default 2) whose layers read host weights (the
 // experts of --cpu-moe, -ncmoe) is computed layer group by layer group: each group runs every ubatch of the call in
 // order, and its host weights are uploaded once for the call, not once per ubatch. Logits, the KV cache and what
-// later calls see are the same bytes as in ubatch order. Groups hold as many layers as the staging budget per device
-// allows (the set budget, else half the device's free memory beyond the prefetch headroom when the context first
-// plans, at least what --fit reserved). Off for calls with an eval callback, embeddings, and recurrent or hybrid
-// memory, said once per context. Precedence: per-context setter > process default (set below, or --layer-major-prompt) >
-// LLAMA_LAYER_MAJOR_PROMPT > on. Process default: 0 off, 1 on, -1 unsets it. Per context: 0 or 1; -1 takes the
-// process default again.
+// later calls see are the same bytes as in ubatch order. Groups hold as many layers as the staging budget allows on
+// the device that stages every copy (the set budget, else half that device's free memory beyond the prefetch headroom
+// when the context first plans, at least what --fit reserved). Off for calls with an eval callback, embeddings, and
+// recurrent or hybrid memory, said once per context. Precedence: per-context setter > process default (set below, or
+// --layer-major-prompt) > LLAMA_LAYER_MAJOR_PROMPT > on. Process default: 0 off, 1 on, -1 unsets it. Per context: 0 or
+// 1; -1 takes the process default again.
 LLAMA_MOE_API void    llama_moe_default_set_layer_major_prompt(int32_t on);
 LLAMA_MOE_API int32_t llama_moe_default_get_layer_major_prompt(void);
 LLAMA_MOE_API void    llama_moe_set_layer_major_prompt(struct llama_context * ctx, int32_t on);
 LLAMA_MOE_API int32_t llama_moe_get_layer_major_prompt(const struct llama_context * ctx);
-// The staging budget of a layer group per device in MiB, read when a context first plans its groups: > 0 sets it,
-// 0 auto, -1 unsets it (then LLAMA_LAYER_MAJOR_STAGING_MIB, then auto). The getter returns the value in effect.
+// The staging budget of layer groups in MiB, on the device that stages their copies (the first GPU), read when a
+// context first plans its groups: > 0 sets it, 0 auto, -1 unsets it (then LLAMA_LAYER_MAJOR_STAGING_MIB, then auto).
+// The getter returns the value in effect.
 LLAMA_MOE_API void    llama_moe_default_set_layer_major_staging_mib(int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_staging_mib(void);
 // The least staging budget that lets this model's prompts run layer-major where its experts stay on the host: twice

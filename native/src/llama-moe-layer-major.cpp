@@ -186,33 +186,32 @@ static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, 
     lm.regions.assign(region.begin(), region.end());
 }
 
-// groups of consecutive layers whose host bytes on each device stay within that device's budget; *why where a layer
-// alone exceeds it (then no groups)
-static llama_moe_layer_groups plan_groups(const llama_model & model, const std::vector<size_t> & bytes,
-        const std::map<ggml_backend_dev_t, size_t> & budget, std::string & why) {
+// groups of consecutive layers whose host bytes together stay within the budget (every group's copies are staged on the
+// one device that offloads host weights, whichever device holds its layers); *why where a layer alone exceeds it (then
+// no groups)
+static llama_moe_layer_groups plan_groups(const std::vector<size_t> & bytes, size_t budget, ggml_backend_dev_t stager,
+        std::string & why) {
     llama_moe_layer_groups groups;
-    std::map<ggml_backend_dev_t, size_t> used;
+    size_t used = 0;
     int32_t begin = 0;
     for (int32_t il = 0; il < (int32_t) bytes.size(); il++) {
-        ggml_backend_dev_t dev = model.dev_layer(il);
         if (bytes[il] == 0) {
             continue;
         }
-        const size_t limit = budget.at(dev);
-        if (bytes[il] > limit) {
+        if (bytes[il] > budget) {
             char buf[256];
             snprintf(buf, sizeof(buf), "layer %d alone has %.1f MiB of host weights, more than a layer group may stage "
                      "(%.1f MiB on %s): prompts run ubatch by ubatch (LLAMA_LAYER_MAJOR_STAGING_MIB sets the budget)",
-                     il, bytes[il]/1024.0/1024.0, limit/1024.0/1024.0, ggml_backend_dev_name(dev));
+                     il, bytes[il]/1024.0/1024.0, budget/1024.0/1024.0, ggml_backend_dev_name(stager));
             why = buf;
             return {};
         }
-        if (used[dev] + bytes[il] > limit) {
+        if (used + bytes[il] > budget) {
             groups.emplace_back(begin, il);
             begin = il;
-            used.clear();
+            used = 0;
         }
-        used[dev] += bytes[il];
+        used += bytes[il];
     }
     groups.emplace_back(begin, (int32_t) bytes.size());
     return groups;
@@ -243,50 +242,42 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         return; // the host weights are computed where they are, or uploaded at split time: nothing to keep
     }
     const std::vector<size_t> bytes = layer_bytes(weights);
-    std::map<ggml_backend_dev_t, size_t> total;
-    for (int32_t il = 0; il < n_layer; il++) {
-        if (bytes[il] > 0) {
-            total[model.dev_layer(il)] += bytes[il];
-        }
+    size_t total = 0, largest = 0;
+    for (const size_t b : bytes) {
+        total  += b;
+        largest = std::max(largest, b);
     }
-    if (total.empty()) {
+    if (total == 0) {
         return; // no device reads host weights
     }
-    // each device's budget: the one set, else half of what its memory has free beyond the prefetch's headroom (the
-    // other half stays for the rest of the context's life), at most all its host weights
-    std::map<ggml_backend_dev_t, size_t> budget;
+    // the scheduler offloads every op that reads a host weight to one backend, the first device that takes it, whose
+    // prefetch stages the copies of every group whichever device holds the group's layers: that device's memory is the
+    // budget of all of them together
+    ggml_backend_t stager = offload_backend(sched);
+    if (stager == nullptr) {
+        ggml_backend_t first = first_device_backend(sched);
+        lm.why_plan = std::string("the host-weight prefetch is off on ") +
+                      (first != nullptr ? ggml_backend_dev_name(ggml_backend_get_device(first)) : "the devices") +
+                      ", so its uploads cannot be kept across ubatches";
+        return;
+    }
+    ggml_backend_dev_t stager_dev = ggml_backend_get_device(stager);
+    // the budget: the one set, else half of what the device has free beyond the prefetch's headroom (the other half
+    // stays for the rest of the context's life), at least what --fit kept free for it, at most all the host weights
     const size_t set = layer_major_staging_bytes();
-    bool fit_reserved = false; // a budget is what --fit kept free, more than half the free memory
-    ggml_backend_t stager = offload_backend(sched); // where every group's copies are staged
-    for (const auto & [dev, sum] : total) {
-        bool prefetch = false;
-        for (int b = 0; b < ggml_backend_sched_get_n_backends(sched); b++) {
-            ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
-            if (ggml_backend_get_device(backend) == dev) {
-                prefetch = ggml_backend_sched_prefetch_enabled(sched, backend);
-            }
-        }
-        if (!prefetch) {
-            lm.why_plan = std::string("the host-weight prefetch is off on ") + ggml_backend_dev_name(dev) +
-                          ", so its uploads cannot be kept across ubatches";
-            return;
-        }
-        size_t room = set;
-        if (room == 0) {
-            size_t free = 0, all = 0;
-            ggml_backend_dev_memory(dev, &free, &all);
-            room = free > cparams.prefetch.headroom ? (free - cparams.prefetch.headroom) / 2 : 0;
-            if (stager != nullptr && ggml_backend_get_device(stager) == dev) {
-                // --fit kept this much free beside its target, where half of its target could not hold two groups.
-                // The groups' arena replaces the prefetch's ring, and must leave the headroom free
-                const size_t avail = free + ggml_backend_sched_get_prefetch_size(sched, stager);
-                const size_t fit = std::min((size_t) llama_moe_default_get_layer_major_fit_reserve_mib() * 1024 * 1024,
-                                            avail > cparams.prefetch.headroom ? avail - cparams.prefetch.headroom : 0);
-                fit_reserved = fit_reserved || fit > room;
-                room = std::max(room, fit);
-            }
-        }
-        budget[dev] = room;
+    size_t budget = set;
+    bool fit_reserved = false; // the budget is what --fit kept free, more than half the free memory
+    if (budget == 0) {
+        size_t free = 0, all = 0;
+        ggml_backend_dev_memory(stager_dev, &free, &all);
+        budget = free > cparams.prefetch.headroom ? (free - cparams.prefetch.headroom) / 2 : 0;
+        // --fit kept this much free beside its target, where half of its target could not hold two groups. The
+        // groups' arena replaces the prefetch's ring, and must leave the headroom free
+        const size_t avail = free + ggml_backend_sched_get_prefetch_size(sched, stager);
+        const size_t fit = std::min((size_t) llama_moe_default_get_layer_major_fit_reserve_mib() * 1024 * 1024,
+                                    avail > cparams.prefetch.headroom ? avail - cparams.prefetch.headroom : 0);
+        fit_reserved = fit > budget;
+        budget = std::max(budget, fit);
     }
     // groups of at most half the budget, in two regions: while one group's graphs read one region, the next group's
     // weights upload into the other. Only the first group's upload overlaps nothing, and each group costs a reservation
@@ -295,39 +286,27 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     // where that is all the host weights, or where the budget's half cannot hold the largest layer but its whole holds
     // every one. LLAMA_LAYER_MAJOR_GROUPS=N asks for about 1/N of the weights a group instead
     const int64_t n_groups = layer_major_target_groups();
-    for (auto & [dev, b] : budget) {
-        size_t largest = 0;
-        for (int32_t il = 0; il < n_layer; il++) {
-            largest = model.dev_layer(il) == dev ? std::max(largest, bytes[il]) : largest;
-        }
-        const size_t target = n_groups > 0 ? (total[dev] + n_groups - 1) / n_groups :
-                                             (size_t) std::sqrt((double) total[dev] * (256.0 * 1024 * 1024));
-        if ((target >= total[dev] || b / 2 < largest) && total[dev] <= b) {
-            b = total[dev];
-        } else {
-            // as many groups as the target makes, of even shares: a short last group would cost a group's own work
-            // for little upload
-            const size_t n = (total[dev] + target - 1) / std::max<size_t>(target, 1);
-            b = std::min(b / 2, std::max(largest, (total[dev] + n - 1) / n));
-        }
+    const size_t target = n_groups > 0 ? (total + n_groups - 1) / n_groups :
+                                         (size_t) std::sqrt((double) total * (256.0 * 1024 * 1024));
+    if ((target >= total || budget / 2 < largest) && total <= budget) {
+        budget = total;
+    } else {
+        // as many groups as the target makes, of even shares: a short last group would cost a group's own work for
+        // little upload
+        const size_t n = (total + target - 1) / std::max<size_t>(target, 1);
+        budget = std::min(budget / 2, std::max(largest, (total + n - 1) / n));
     }
-    lm.groups = plan_groups(model, bytes, budget, lm.why_plan);
+    lm.groups = plan_groups(bytes, budget, stager_dev, lm.why_plan);
     if (lm.groups.empty()) {
         return;
     }
     plan_staging(lm, model, sched, weights);
-    std::string devs;
-    for (const auto & [dev, b] : budget) {
-        char buf[160];
-        snprintf(buf, sizeof(buf), "%s%s %.1f of %.1f MiB", devs.empty() ? "" : ", ", ggml_backend_dev_name(dev),
-                 b/1024.0/1024.0, total[dev]/1024.0/1024.0);
-        devs += buf;
-    }
-    LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers%s; a group's budget per device (of its "
-                   "host weights): %s%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
+    LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers%s; a group's budget on %s (of the "
+                   "host weights): %.1f of %.1f MiB%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
                    lm.groups.size() == 1 ? "" : "s", n_layer,
                    lm.groups.size() == 1 ? "" : ", each group's weights uploaded while the group before runs",
-                   devs.c_str(), set > 0 ? " (of the budget set)" : fit_reserved ? " (of the staging --fit kept free)" :
+                   ggml_backend_dev_name(stager_dev), budget/1024.0/1024.0, total/1024.0/1024.0,
+                   set > 0 ? " (of the budget set)" : fit_reserved ? " (of the staging --fit kept free)" :
                    " (of half the free memory)", layer_major_min_ubatches());
 }
 
