@@ -61,10 +61,26 @@ def test_with_two_devices_every_group_takes_the_budget_of_the_device_that_stages
     assert planned and planned.group(4) == "of the staging --fit kept free" and int(planned.group(1)) >= 2, log[-3000:]
     call = CALL.search(log)
     assert call and int(call.group(3)) == int(planned.group(1)), log[-3000:]
-    assert "more than a layer group may stage" not in log
+    assert "more than a layer group may stage" not in log and "staging arena could not be made" not in log
+    # the groups hold the host weights of both devices' layers: more than SIM0's layers keep on the host
+    on_sim0 = re.findall(r"common_params_fit_impl:\s+- SIM0 .*?(\d+) layers \(\s*(\d+) overflowing\)", log)
+    assert float(planned.group(3)) > 12.75 * int(on_sim0[-1][1]), (planned.group(0), on_sim0)
     # SIM computes with the CPU's kernels wherever a weight is: the text of ubatch order
     off_text, _ = generate(patched_build, model, prompt, two, *fit_args("--layer-major-prompt", "0"))
     assert text == off_text
+
+
+def test_fit_keeps_the_staging_on_the_device_that_takes_the_ops_on_host_weights(patched_build, model, prompt):
+    """SIM0 takes no op on host weights (as an RPC device ahead of the GPUs): the scheduler offloads the products of
+    host experts to SIM1, whose prefetch stages them, so --fit keeps the staging free there and the context plans
+    with it. Before, --fit kept it on SIM0, the first device whose prefetch was on."""
+    env = {**SIM, "GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "40,72", "GGML_SIM_NO_OFFLOAD": "0"}
+    _, log = generate(patched_build, model, prompt, env, *fit_args())
+    kept = KEPT.search(log)
+    assert kept and kept.group(1) == "27" and kept.group(2) == "SIM1", log[-3000:]
+    planned = re.search(r"layer-major prompts: (\d+) layer groups? .*a group's budget on SIM1 .*\((of [^)]*)\); calls", log)
+    assert planned and planned.group(2) == "of the staging --fit kept free" and int(planned.group(1)) >= 2, log[-3000:]
+    assert CALL.search(log) and "staging arena could not be made" not in log
 
 
 def test_fit_computes_the_same_log_probs_as_without_layer_major_prompts(patched_build, model, corpus, tmp_path):

@@ -426,6 +426,24 @@ def test_groups_that_end_on_different_devices_download_their_rows_in_order(patch
     assert got.decode_logits_sha256 == base.decode_logits_sha256
 
 
+def test_the_groups_are_staged_on_the_device_that_takes_the_ops_on_host_weights(patched_build, src, model):
+    # two SIM devices, the first taking no op on host weights (as an RPC device ahead of the GPUs), every expert on the
+    # host: the scheduler offloads their products to SIM1, so its prefetch stages the groups there. Before, the plan
+    # took the first device, kept two regions there that no upload used, and SIM1 uploaded every expert once per ubatch
+    env = {**SIM_ENV, "GGML_SIM_DEVICES": "2", "GGML_SIM_MEMORY_MIB": "1000", "GGML_SIM_NO_OFFLOAD": "0"}
+    spec = dict(tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=2, n_cpu_moe=4, load_mode="none",
+                repack=False, stats=True)
+    base, got = (runner.run(patched_build, src, runner.RunSpec(model=model, env={**env, **extra}, **spec))
+                 for extra in ({"LLAMA_LAYER_MAJOR_PROMPT": "0"}, {}))
+    assert re.search(r"layer-major prompts: 1 layer group of the 4 layers; a group's budget on SIM1 ", got.log), got.log[-3000:]
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "1")]
+    prompt = got.stats["prompt"]
+    assert prompt["prefetch_upload_bytes"] * 4 < base.stats["prompt"]["prefetch_upload_bytes"]
+    assert prompt["prefetch_kept_bytes"] >= 3 * prompt["prefetch_upload_bytes"]
+    assert got.logits_sha256 == base.logits_sha256
+    assert got.decode_logits_sha256 == base.decode_logits_sha256
+
+
 @pytest.mark.parametrize("order", ["0", "1"], ids=["ubatch-order", "layer-major"])
 def test_a_ubatch_without_outputs_skips_its_last_layers_empty_inputs(patched_build, src, model, order):
     # only the prompt's last token is an output, so the other ubatches drop every row at the last layer, whose host
@@ -447,6 +465,31 @@ def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_
     assert got.stats["prompt"]["n_layer_major_calls"] == 0
     assert len(re.findall(r"layer 0 alone has [\d.]+ MiB of host weights, more than a layer group may stage "
                           r"\(1.0 MiB on SIM0\)", got.log)) == 1
+
+
+@pytest.mark.parametrize("reserve, later, kept", [
+    (("SIM0", 4), None, True),
+    (("SIM1", 4), None, False),
+    (("SIM0", 4), ("SIM0", -1), True),
+], ids=["on-the-staging-device", "on-another-device", "unset-by-a-later-fit"])
+def test_the_staging_fit_kept_free_is_the_floor_where_it_was_kept_for_the_context_made_after_it(
+        patched_build, src, model, reserve, later, kept):
+    # a 12 MiB SIM device: half its free memory beyond the 4 MiB headroom cannot hold a layer's 1.6 MiB of experts;
+    # the 4 MiB --fit kept free can. The note applies on the device it names (before: on any device), and a context
+    # keeps the note it was made with (before: read when its first long prompt planned, after a later fit changed it)
+    env = {**SIM_ENV, "GGML_SIM_MEMORY_MIB": "12", "GGML_SCHED_PREFETCH_HEADROOM_MIB": "4"}
+    spec = runner.RunSpec(model=model, tokens=SIM_TOKENS, n_ubatch=32, n_batch=256, threads=2, generate=2, cpu_moe=True,
+                          load_mode="none", repack=False, stats=True, env=env, layer_major_fit_reserve=reserve,
+                          layer_major_fit_reserve_later=later)
+    got = runner.run(patched_build, src, spec)
+    plans = re.findall(r"layer-major prompts: (\d+) layer groups?.*\((of [^)]*)\); calls", got.log)
+    if kept:
+        assert len(plans) == 1 and plans[0][1] == "of the staging --fit kept free", got.log[-3000:]
+        assert got.stats["prompt"]["n_layer_major_calls"] == 1
+    else:
+        assert not plans and re.search(r"layer 0 alone has [\d.]+ MiB of host weights, more than a layer group may stage "
+                                       r"\([\d.]+ MiB on SIM0\)", got.log), got.log[-3000:]
+        assert got.stats["prompt"]["n_layer_major_calls"] == 0
 
 
 def test_an_eval_callback_keeps_ubatch_order_and_says_why(patched_build, src, model, master_cpu):

@@ -105,11 +105,15 @@ LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_staging_mib(void);
 // all of them where --fit keeps only a layer's attention on a device), one group computing while the next one's
 // upload goes into the other region; in bytes, 0 where the model has no experts or its architecture no layer groups.
 LLAMA_MOE_API size_t  llama_moe_layer_major_least_staging(const struct llama_model * model);
-// The staging budget --fit kept free for layer groups in MiB, on the device that stages host weights: an auto budget
-// there is at least this much, as far as the device's free memory and the prefetch's ring leave the headroom free (a
-// set budget is what was set). >= 0 sets it, -1 unsets it; each --fit sets it or unsets it. The getter returns the
-// value in effect, 0 for none.
-LLAMA_MOE_API void    llama_moe_default_set_layer_major_fit_reserve_mib(int64_t mib);
+// The index of the model's device (llama_model_get_device) that computes ubatches of n_ubatch tokens with experts kept
+// on the host, and so whose host-weight prefetch (where on) stages their copies: the first one that supports and takes the expert
+// product (ggml_backend_sched's offload rule); -1 for none (the CPU computes them) or a model without experts.
+LLAMA_MOE_API int32_t llama_moe_layer_major_staging_device(const struct llama_model * model, uint32_t n_ubatch);
+// The staging budget --fit kept free for layer groups in MiB, on the named device (the one that stages host weights):
+// a context created after it takes it as the floor of its auto budget where it stages on that device, as far as the
+// device's free memory and the prefetch's ring leave the headroom free (a set budget is what was set). mib >= 0 sets
+// it, -1 unsets it (device ignored); each --fit sets it or unsets it. The getter returns the MiB in effect, 0 for none.
+LLAMA_MOE_API void    llama_moe_default_set_layer_major_fit_reserve_mib(const char * device, int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_fit_reserve_mib(void);
 
 // --- statistics ---

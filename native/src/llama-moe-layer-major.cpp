@@ -15,11 +15,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <new>
 
 static std::atomic<int32_t> g_layer_major{-1};      // process default, -1: unset
 static std::atomic<int64_t> g_layer_major_mib{-1};  // process default staging budget in MiB, -1: unset
-static std::atomic<int64_t> g_layer_major_fit_mib{-1}; // the staging --fit kept free in MiB, -1: none
+static std::mutex          g_layer_major_fit_mutex;  // the staging --fit kept free: how much, and where
+static int64_t             g_layer_major_fit_mib = -1; // MiB, -1: none
+static std::string         g_layer_major_fit_device;
 
 bool llama_moe_layer_major_context_default() {
     const int32_t set = g_layer_major.load();
@@ -30,7 +33,7 @@ bool llama_moe_layer_major_context_default() {
     return env != 0;
 }
 
-// the staging budget of a layer group per device in bytes, 0: auto
+// the staging budget of the layer groups in bytes, on the device that stages them; 0: auto
 static size_t layer_major_staging_bytes() {
     int64_t mib = g_layer_major_mib.load();
     if (mib < 0) {
@@ -46,7 +49,7 @@ static int64_t layer_major_min_ubatches() {
     return env > 0 ? env : 2;
 }
 
-// how many groups a device's host weights are cut into where the budget allows (each group's upload overlaps the
+// how many groups the host weights are cut into where the budget allows (each group's upload overlaps the
 // group before it; the first one's does not); 0 (unset): one group where they all fit the budget, else as many as
 // half the budget needs
 static int64_t layer_major_target_groups() {
@@ -67,6 +70,13 @@ static bool layer_major_debug_stage_whole() {
 static int64_t layer_major_debug_group_layers() {
     static const int64_t env = llama_moe_env_whole("LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS", 1, INT32_MAX);
     return env > 0 ? env : 0;
+}
+
+void llama_moe_layer_major_init(llama_moe_layer_major & lm) {
+    lm.on = llama_moe_layer_major_context_default();
+    std::lock_guard<std::mutex> lock(g_layer_major_fit_mutex);
+    lm.fit_reserve_device = g_layer_major_fit_mib > 0 ? g_layer_major_fit_device : std::string();
+    lm.fit_reserve_bytes  = g_layer_major_fit_mib > 0 ? (size_t) g_layer_major_fit_mib * 1024 * 1024 : 0;
 }
 
 void llama_moe_layer_major_say(llama_moe_layer_major & lm, const std::string & why) {
@@ -131,11 +141,46 @@ static ggml_backend_t first_device_backend(ggml_backend_sched_t sched) {
     return nullptr;
 }
 
-// the backend that computes the ops the scheduler offloads from host weights: the first one that takes them, where
-// the prefetch stages their copies
-static ggml_backend_t offload_backend(ggml_backend_sched_t sched) {
-    ggml_backend_t backend = first_device_backend(sched);
-    return backend != nullptr && ggml_backend_sched_prefetch_enabled(sched, backend) ? backend : nullptr;
+// the model's first expert tensor (what --cpu-moe, -ncmoe and --fit keep on the host first), or nullptr
+static const ggml_tensor * first_expert_tensor(const llama_model & model) {
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (ggml_n_dims(t) == 3 && llama_moe_is_expert_tensor(name)) {
+            return t;
+        }
+    }
+    return nullptr;
+}
+
+// whether ggml_backend_sched would offload to dev a ubatch's product with an expert tensor kept on the host: it
+// offloads an op that reads a host weight to the first backend ahead of the CPU whose device supports the op and takes
+// it (offload_op: each backend's own min batch; an RPC device takes none). Asked of a node built like the graph's,
+// beside a weight of the expert's type and shape that no buffer holds
+static bool device_takes_host_experts(ggml_backend_dev_t dev, const ggml_tensor * expert, int64_t n_tokens) {
+    const ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, true };
+    ggml_context_ptr ctx { ggml_init(params) };
+    if (!ctx || expert == nullptr || n_tokens <= 0) {
+        return false;
+    }
+    ggml_tensor * as  = ggml_new_tensor_3d(ctx.get(), expert->type, expert->ne[0], expert->ne[1], expert->ne[2]);
+    ggml_tensor * b   = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, expert->ne[0], 1, n_tokens);
+    ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_tokens);
+    const ggml_tensor * op = ggml_mul_mat_id(ctx.get(), as, b, ids);
+    return ggml_backend_dev_supports_op(dev, op) && ggml_backend_dev_offload_op(dev, op);
+}
+
+// the backend the scheduler offloads a ubatch's ops on host experts to (the one whose prefetch stages their copies),
+// or nullptr where none takes them (the CPU computes them)
+static ggml_backend_t offload_backend(const llama_model & model, ggml_backend_sched_t sched, uint32_t n_ubatch) {
+    const ggml_tensor * expert = first_expert_tensor(model);
+    const int n_backends = ggml_backend_sched_get_n_backends(sched);
+    for (int b = 0; b + 1 < n_backends; b++) { // the last backend is the CPU's, which holds host weights
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        if (dev != nullptr && device_takes_host_experts(dev, expert, n_ubatch)) {
+            return backend;
+        }
+    }
+    return nullptr;
 }
 
 // the host weights read outside the layers that an offloaded op may copy (the output head, on the host under a partial
@@ -156,10 +201,9 @@ static std::vector<ggml_tensor *> head_host_weights(const llama_model & model) {
 // each group's host weights by the backend whose copies they become, and each such backend's region: the largest
 // group's kept copies there
 static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, ggml_backend_sched_t sched,
-        const std::vector<std::vector<ggml_tensor *>> & weights) {
+        ggml_backend_t target, const std::vector<std::vector<ggml_tensor *>> & weights) {
     lm.weights.assign(lm.groups.size(), {});
     std::map<ggml_backend_t, size_t> region;
-    ggml_backend_t target = offload_backend(sched);
     const std::vector<ggml_tensor *> head = head_host_weights(model);
     for (size_t g = 0; g < lm.groups.size() && target != nullptr; g++) {
         std::map<ggml_backend_t, llama_moe_layer_major::group_weights> by_backend;
@@ -229,11 +273,15 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     const bool uploads = cparams.op_offload && cparams.prefetch.mode != GGML_BACKEND_SCHED_PREFETCH_OFF;
     const std::vector<std::vector<ggml_tensor *>> weights = uploads ? layer_host_weights(model) :
                                                             std::vector<std::vector<ggml_tensor *>>(n_layer);
+    // the scheduler offloads every op that reads a host weight to one backend, whose prefetch stages the copies of
+    // every group whichever device holds the group's layers: that device's memory is the budget of all of them
+    ggml_backend_t stager = offload_backend(model, sched, cparams.n_ubatch);
+    const bool stages = stager != nullptr && ggml_backend_sched_prefetch_enabled(sched, stager);
     if (const int64_t n = layer_major_debug_group_layers(); n > 0) {
         for (int32_t il = 0; il < n_layer; il += (int32_t) n) {
             lm.groups.emplace_back(il, std::min<int32_t>(n_layer, il + (int32_t) n));
         }
-        plan_staging(lm, model, sched, weights);
+        plan_staging(lm, model, sched, stages ? stager : nullptr, weights);
         LLAMA_LOG_WARN("llama_moe: layer-major prompts: LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=%" PRId64 ": %zu groups of "
                        "up to %" PRId64 " layers (a test setting)\n", n, lm.groups.size(), n);
         return;
@@ -250,18 +298,17 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     if (total == 0) {
         return; // no device reads host weights
     }
-    // the scheduler offloads every op that reads a host weight to one backend, the first device that takes it, whose
-    // prefetch stages the copies of every group whichever device holds the group's layers: that device's memory is the
-    // budget of all of them together
-    ggml_backend_t stager = offload_backend(sched);
     if (stager == nullptr) {
-        ggml_backend_t first = first_device_backend(sched);
-        lm.why_plan = std::string("the host-weight prefetch is off on ") +
-                      (first != nullptr ? ggml_backend_dev_name(ggml_backend_get_device(first)) : "the devices") +
-                      ", so its uploads cannot be kept across ubatches";
+        lm.why_plan = "no device takes the products of host experts at ubatches of " + std::to_string(cparams.n_ubatch) +
+                      " tokens (the CPU computes them): nothing is uploaded to keep";
         return;
     }
     ggml_backend_dev_t stager_dev = ggml_backend_get_device(stager);
+    if (!stages) {
+        lm.why_plan = std::string("the host-weight prefetch is off on ") + ggml_backend_dev_name(stager_dev) +
+                      ", which computes the ops on host weights, so its uploads cannot be kept across ubatches";
+        return;
+    }
     // the budget: the one set, else half of what the device has free beyond the prefetch's headroom (the other half
     // stays for the rest of the context's life), at least what --fit kept free for it, at most all the host weights
     const size_t set = layer_major_staging_bytes();
@@ -274,8 +321,8 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         // --fit kept this much free beside its target, where half of its target could not hold two groups. The
         // groups' arena replaces the prefetch's ring, and must leave the headroom free
         const size_t avail = free + ggml_backend_sched_get_prefetch_size(sched, stager);
-        const size_t fit = std::min((size_t) llama_moe_default_get_layer_major_fit_reserve_mib() * 1024 * 1024,
-                                    avail > cparams.prefetch.headroom ? avail - cparams.prefetch.headroom : 0);
+        const size_t kept = lm.fit_reserve_device == ggml_backend_dev_name(stager_dev) ? lm.fit_reserve_bytes : 0;
+        const size_t fit  = std::min(kept, avail > cparams.prefetch.headroom ? avail - cparams.prefetch.headroom : 0);
         fit_reserved = fit > budget;
         budget = std::max(budget, fit);
     }
@@ -300,7 +347,7 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     if (lm.groups.empty()) {
         return;
     }
-    plan_staging(lm, model, sched, weights);
+    plan_staging(lm, model, sched, stager, weights);
     LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers%s; a group's budget on %s (of the "
                    "host weights): %.1f of %.1f MiB%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
                    lm.groups.size() == 1 ? "" : "s", n_layer,
@@ -651,14 +698,29 @@ size_t llama_moe_layer_major_least_staging(const llama_model * model) {
     return 2 * largest;
 }
 
-void llama_moe_default_set_layer_major_fit_reserve_mib(int64_t mib) {
-    if (mib < -1 || mib > INT32_MAX) {
-        LLAMA_LOG_ERROR("llama_moe: layer-major --fit reserve %" PRId64 " MiB is out of range (-1 unsets); left as it was\n", mib);
+void llama_moe_default_set_layer_major_fit_reserve_mib(const char * device, int64_t mib) {
+    if (mib < -1 || mib > INT32_MAX || (mib >= 0 && (device == nullptr || *device == '\0'))) {
+        LLAMA_LOG_ERROR("llama_moe: layer-major --fit reserve %" PRId64 " MiB on %s is out of range (a device and >= 0, "
+                        "or -1 to unset); left as it was\n", mib, device != nullptr ? device : "(no device)");
         return;
     }
-    g_layer_major_fit_mib.store(mib);
+    std::lock_guard<std::mutex> lock(g_layer_major_fit_mutex);
+    g_layer_major_fit_mib    = mib;
+    g_layer_major_fit_device = mib >= 0 ? device : "";
 }
 
 int64_t llama_moe_default_get_layer_major_fit_reserve_mib(void) {
-    return std::max<int64_t>(0, g_layer_major_fit_mib.load());
+    std::lock_guard<std::mutex> lock(g_layer_major_fit_mutex);
+    return std::max<int64_t>(0, g_layer_major_fit_mib);
+}
+
+int32_t llama_moe_layer_major_staging_device(const llama_model * model, uint32_t n_ubatch) {
+    const ggml_tensor * expert = first_expert_tensor(*model);
+    for (int32_t i = 0; i < (int32_t) model->devices.size(); i++) {
+        ggml_backend_dev_t dev = model->devices[i].dev;
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU && device_takes_host_experts(dev, expert, n_ubatch)) {
+            return i;
+        }
+    }
+    return -1;
 }

@@ -38,6 +38,11 @@ struct llama_moe_layer_major_steps {
 struct llama_moe_layer_major {
     bool on = true; // the context's setting (llama_moe_set_layer_major_prompt)
 
+    // the staging --fit kept free for this context when it was created (llama_moe_layer_major_init), and on which
+    // device: a floor of the auto budget there only (a later fit, or another model's context, plans for itself)
+    std::string fit_reserve_device;
+    size_t      fit_reserve_bytes = 0;
+
     // the plan of the model's layers into groups, made on the first call that may take it and kept
     bool                   planned = false;
     llama_moe_layer_groups groups;     // empty: every call runs ubatch by ubatch
@@ -113,6 +118,9 @@ struct llama_moe_layer_major {
 // whether a new context computes long prompts layer-major: process default (llama-moe.h setter or
 // --layer-major-prompt), else LLAMA_LAYER_MAJOR_PROMPT, else on
 bool llama_moe_layer_major_context_default();
+
+// a new context's settings: whether it computes long prompts layer-major, and the staging the last --fit kept free
+void llama_moe_layer_major_init(llama_moe_layer_major & lm);
 
 // the layer groups a decode call of n_tokens runs in, or none (the call runs ubatch by ubatch). Says once per context
 // and reason why a call that could have been computed layer-major is not. can_rewind: the memory can run the call's

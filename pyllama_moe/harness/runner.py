@@ -53,6 +53,11 @@ class RunSpec:
     # expert cache caps per device name in MiB, as --fit sets them (llama_moe_default_set_moe_cache_device_cap_mib),
     # set before the context(s) are made (patched builds)
     moe_cache_caps: dict[str, int] | None = None
+    # the staging --fit kept free for layer groups, (device name, MiB), as --fit notes it
+    # (llama_moe_default_set_layer_major_fit_reserve_mib): set before the context is made, and "later" after it was
+    # made and before its first decode, as a later fit (of another model) would (patched builds; -1 MiB unsets)
+    layer_major_fit_reserve: tuple[str, int] | None = None
+    layer_major_fit_reserve_later: tuple[str, int] | None = None
     # per-context prefetch fields set between the prompt and the generation (patched builds): the next decode
     # reserves a new scheduler, as llama-server's changes between requests (an adapter, a sampler) do
     prefetch_after_prompt: dict[str, int] | None = None
@@ -145,6 +150,9 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
             req["sync_callback"] = spec.sync_callback
         if spec.prompt_sequences:
             req["prompt_sequences"] = list(spec.prompt_sequences)
+        for key in ("layer_major_fit_reserve", "layer_major_fit_reserve_later"):
+            if getattr(spec, key) is not None:
+                req[key] = list(getattr(spec, key))
         extra = _divergence_fields(spec, Path(tmp))
         req.update(extra)
         reply, log = spawn.run_worker("logits", req, lib_dir=build.bin_dir, llama_cpp_pkg=_llama_cpp_pkg(src),

@@ -65,9 +65,13 @@ def run(L, req: dict, lib_dir: Path) -> dict:
             cp.cb_eval_user_data = None
         if req.get("moe_cache_caps"):
             _set_cache_caps(lib_dir, req["moe_cache_caps"])
+        if req.get("layer_major_fit_reserve"):
+            _set_layer_major_fit_reserve(lib_dir, *req["layer_major_fit_reserve"])
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
+        if req.get("layer_major_fit_reserve_later"):
+            _set_layer_major_fit_reserve(lib_dir, *req["layer_major_fit_reserve_later"])
         ctx_of_sync.append(ctx)
         if req.get("chdir_after_context"):
             os.chdir(req["chdir_after_context"])
@@ -394,6 +398,15 @@ def _set_cache_caps(lib_dir: Path, caps: dict) -> None:
     lib = ffi.dlopen(str(lib_dir / "libllama.so"))
     for device, mib in caps.items():
         lib.llama_moe_default_set_moe_cache_device_cap_mib(device.encode(), int(mib))
+
+
+def _set_layer_major_fit_reserve(lib_dir: Path, device: str, mib: int) -> None:
+    """The staging --fit kept free for layer groups on a device, as --fit notes it."""
+    from pyllama_moe.build.ffi import _ffi
+
+    ffi, _ = _ffi()
+    lib = ffi.dlopen(str(lib_dir / "libllama.so"))
+    lib.llama_moe_default_set_layer_major_fit_reserve_mib(device.encode(), int(mib))
 
 
 class _MoeApi:

@@ -66,6 +66,7 @@ struct sim_config {
     size_t      memory_bytes       = 0; // of device 0; memory_of() for any device
     std::vector<size_t> memory_per_device; // GGML_SIM_MEMORY_MIB="200,120": a value per device, the last repeated
     std::vector<bool> no_cache_ops;       // GGML_SIM_NO_CACHE_OPS=i,j,...: devices that lack the expert cache's ops
+    std::vector<bool> no_offload;         // GGML_SIM_NO_OFFLOAD=i,j,...: devices that take no op on host weights (as RPC)
     double      copy_bytes_per_ns  = 0.0; // 0: no bandwidth limit
     int64_t     copy_latency_ns    = 0;
     int64_t     compute_latency_ns = 0;
@@ -128,6 +129,14 @@ const sim_config & sim_cfg() {
         for (double d : env_list("GGML_SIM_NO_CACHE_OPS")) {
             if (d >= 0 && d < c.no_cache_ops.size()) {
                 c.no_cache_ops[(size_t) d] = true;
+            }
+        }
+        // devices whose offload_op refuses every op, as an RPC device's: the scheduler offloads the ops on host
+        // weights to the next device
+        c.no_offload.assign(std::max(c.n_devices, 1), false);
+        for (double d : env_list("GGML_SIM_NO_OFFLOAD")) {
+            if (d >= 0 && d < c.no_offload.size()) {
+                c.no_offload[(size_t) d] = true;
             }
         }
         c.copy_bytes_per_ns  = env_double("GGML_SIM_COPY_GBPS", 0); // 1 GB/s = 1 byte/ns
@@ -1387,7 +1396,9 @@ bool sim_dev_supports_buft(ggml_backend_dev_t dev, ggml_backend_buffer_type_t bu
 
 // ggml-cuda's rule (get_op_batch_size): MUL_MAT by ne[1], MUL_MAT_ID and ROPE by ne[2] (tokens), never GET_ROWS
 bool sim_dev_offload_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
-    GGML_UNUSED(dev);
+    if (sim_cfg().no_offload[device_of(dev)->index]) {
+        return false;
+    }
     int64_t batch;
     switch (op->op) {
         case GGML_OP_GET_ROWS:
@@ -1719,6 +1730,10 @@ ggml_backend_reg_t ggml_backend_sim_reg(void) {
             for (int i = 0; i < cfg.n_devices; i++) {
                 if (cfg.no_cache_ops[i]) {
                     GGML_LOG_WARN("ggml_sim: GGML_SIM_NO_CACHE_OPS: %s lacks the expert cache's lookup ops (fault injection)\n",
+                            s->devices[i]->name.c_str());
+                }
+                if (cfg.no_offload[i]) {
+                    GGML_LOG_WARN("ggml_sim: GGML_SIM_NO_OFFLOAD: %s takes no op on host weights (fault injection)\n",
                             s->devices[i]->name.c_str());
                 }
             }
