@@ -83,6 +83,13 @@ def test_fit_keeps_the_staging_on_the_device_that_takes_the_ops_on_host_weights(
     assert CALL.search(log) and "staging arena could not be made" not in log
 
 
+def test_fit_keeps_nothing_where_no_device_takes_the_ubatches_host_experts(patched_build, model, prompt):
+    # SIM offloads from 512 tokens, the ubatch is 256: the CPU computes the host experts
+    _, log = generate(patched_build, model, prompt, {**SIM, "GGML_OP_OFFLOAD_MIN_BATCH": "512"}, *fit_args())
+    assert "no staging kept free: no device computes host experts at -ub 256 (the CPU does)" in log, log[-3000:]
+    assert not KEPT.search(log)
+
+
 def test_fit_computes_the_same_log_probs_as_without_layer_major_prompts(patched_build, model, corpus, tmp_path):
     """Off, --fit keeps nothing for layer groups and places more of the experts on the device; the perplexity log-probs
     are the same bytes (SIM computes with the CPU's kernels wherever a weight is). Chunks of 512 tokens at ub 256: each

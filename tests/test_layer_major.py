@@ -471,7 +471,8 @@ def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_
     (("SIM0", 4), None, True),
     (("SIM1", 4), None, False),
     (("SIM0", 4), ("SIM0", -1), True),
-], ids=["on-the-staging-device", "on-another-device", "unset-by-a-later-fit"])
+    (None, ("SIM0", 4), False),
+], ids=["on-the-staging-device", "on-another-device", "unset-by-a-later-fit", "set-after-the-context-was-made"])
 def test_the_staging_fit_kept_free_is_the_floor_where_it_was_kept_for_the_context_made_after_it(
         patched_build, src, model, reserve, later, kept):
     # a 12 MiB SIM device: half its free memory beyond the 4 MiB headroom cannot hold a layer's 1.6 MiB of experts;
@@ -490,6 +491,16 @@ def test_the_staging_fit_kept_free_is_the_floor_where_it_was_kept_for_the_contex
         assert not plans and re.search(r"layer 0 alone has [\d.]+ MiB of host weights, more than a layer group may stage "
                                        r"\([\d.]+ MiB on SIM0\)", got.log), got.log[-3000:]
         assert got.stats["prompt"]["n_layer_major_calls"] == 0
+
+
+def test_ubatches_no_device_takes_keep_ubatch_order_and_say_why(patched_build, src, model, sim_ubatch_order):
+    # SIM offloads from 64 tokens: at ub 32 the CPU computes the host experts, so nothing is uploaded to keep, whatever
+    # the prefetch's own min batch (32) allows
+    got = _sim_run(patched_build, src, model, {"GGML_OP_OFFLOAD_MIN_BATCH": "64"})
+    assert got.stats["prompt"]["n_layer_major_calls"] == 0
+    assert got.logits_sha256 == sim_ubatch_order.logits_sha256
+    assert len(re.findall(r"no device takes the products of host experts at ubatches of 32 tokens \(the CPU computes "
+                          r"them\)", got.log)) == 1, got.log[-3000:]
 
 
 def test_an_eval_callback_keeps_ubatch_order_and_says_why(patched_build, src, model, master_cpu):
