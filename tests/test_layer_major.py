@@ -459,6 +459,23 @@ def test_a_ubatch_without_outputs_skips_its_last_layers_empty_inputs(patched_bui
     assert every.stats["prompt"]["n_empty_inputs"] == 0
 
 
+def test_a_prompt_that_outputs_its_last_token_alone_leaves_the_last_layers_experts_to_the_cpu(patched_build, src,
+                                                                                               model):
+    # four one-layer groups. The graph keeps the output rows alone before the last layer's feed-forward: with one output
+    # that layer's experts run on one row, which SIM (as CUDA) does not take, so the CPU computes them and the last
+    # group leaves them out of its stage. Before, they were staged and no graph read them
+    env = {"LLAMA_LAYER_MAJOR_GROUPS": "8"}
+    every = _sim_run(patched_build, src, model, env)
+    last_only = _sim_run(patched_build, src, model, env, want_logits=False)
+    for got in (every, last_only):
+        assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "4")]
+    # groups 2 to 4 are staged ahead: layers 1 to 3 of the same size, and layer 3 only where every token is an output
+    staged_every, staged_last = (r.stats["prompt"]["prefetch_staged_bytes"] for r in (every, last_only))
+    assert staged_last > 0 and staged_last * 3 == staged_every * 2, (staged_last, staged_every)
+    assert last_only.generated == every.generated
+    assert last_only.decode_logits_sha256 == every.decode_logits_sha256
+
+
 def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_build, src, model, sim_ubatch_order):
     got = _sim_run(patched_build, src, model, {"LLAMA_LAYER_MAJOR_STAGING_MIB": "2"})  # a group may stage half
     assert got.logits_sha256 == sim_ubatch_order.logits_sha256

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <new>
@@ -141,6 +142,12 @@ static ggml_backend_t first_device_backend(ggml_backend_sched_t sched) {
     return nullptr;
 }
 
+// whether the architecture's graph keeps only the output rows before its last layer's feed-forward, so that a call with
+// few outputs computes that layer's experts for those rows alone (below a device's offload batch: on the CPU)
+static bool layer_major_last_ffn_reads_outputs(llm_arch arch) {
+    return arch == LLM_ARCH_QWEN2MOE || arch == LLM_ARCH_QWEN3MOE;
+}
+
 // the model's first expert tensor (what --cpu-moe, -ncmoe and --fit keep on the host first), or nullptr
 static const ggml_tensor * first_expert_tensor(const llama_model & model) {
     for (const auto & [name, t] : model.tensors_by_name) {
@@ -204,22 +211,37 @@ static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, 
         ggml_backend_t target, const std::vector<std::vector<ggml_tensor *>> & weights) {
     lm.weights.assign(lm.groups.size(), {});
     std::map<ggml_backend_t, size_t> region;
+    lm.expert = first_expert_tensor(model);
+    const int32_t n_layer = (int32_t) weights.size();
     const std::vector<ggml_tensor *> head = head_host_weights(model);
     for (size_t g = 0; g < lm.groups.size() && target != nullptr; g++) {
         std::map<ggml_backend_t, llama_moe_layer_major::group_weights> by_backend;
-        const auto add = [&](const std::vector<ggml_tensor *> & layer) {
+        const auto add = [&](const std::vector<ggml_tensor *> & layer, bool rows_only) {
+            if (layer.empty()) {
+                return;
+            }
             auto & gw = by_backend[target];
             gw.backend = target;
             gw.list.insert(gw.list.end(), layer.begin(), layer.end());
             gw.layer_end.push_back(gw.list.size());
+            gw.n_rows_only += rows_only ? layer.size() : 0;
         };
         for (int32_t il = lm.groups[g].first; il < lm.groups[g].second; il++) {
-            if (!weights[il].empty()) {
-                add(weights[il]);
+            if (il + 1 == n_layer && layer_major_last_ffn_reads_outputs(model.arch)) {
+                // the last layer's feed-forward weights go last, after the rest of the layer: a call with few outputs
+                // leaves them out
+                std::vector<ggml_tensor *> rest, ffn;
+                for (ggml_tensor * t : weights[il]) {
+                    (strstr(ggml_get_name(t), ".ffn_") != nullptr ? ffn : rest).push_back(t);
+                }
+                add(rest, false);
+                add(ffn, true);
+            } else {
+                add(weights[il], false);
             }
         }
-        if (g + 1 == lm.groups.size() && !head.empty()) {
-            add(head);
+        if (g + 1 == lm.groups.size()) {
+            add(head, true); // the output head reads the output rows alone
         }
         for (auto & [backend, gw] : by_backend) {
             const size_t size = ggml_backend_sched_prefetch_keep_size(sched, backend, gw.list.data(), (int) gw.list.size());
@@ -487,7 +509,7 @@ void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_
 }
 
 void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
-        llama_moe_cache_rt * cache) {
+        llama_moe_cache_rt * cache, uint32_t n_outputs) {
     lm.stage.clear();
     if (!lm.staging || g + 1 >= (int32_t) lm.groups.size()) {
         return;
@@ -498,11 +520,19 @@ void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_
         for (const auto & [b, r] : lm.regions) {
             region = b == gw.backend ? r : region;
         }
+        // the weights only output rows read stay on the host where the device takes no product of so few rows: the
+        // CPU computes them (a prompt that outputs its last token alone)
+        const bool rows_on_cpu = gw.n_rows_only > 0 &&
+                !device_takes_host_experts(ggml_backend_get_device(gw.backend), lm.expert, n_outputs);
+        const size_t n_staged = gw.list.size() - (rows_on_cpu ? gw.n_rows_only : 0);
         // a layer the expert cache reads in place is not staged at all
         llama_moe_layer_major::stage_progress sp;
         sp.backend = gw.backend;
         size_t i = 0, bytes = 0;
         for (size_t end : gw.layer_end) {
+            if (end > n_staged) {
+                break; // the rows-only weights are whole entries of layer_end, at its end
+            }
             for (; i < end; i++) {
                 if (!llama_moe_cache_reads_in_place(cache, gw.list[i])) {
                     sp.bytes_before.push_back(bytes);

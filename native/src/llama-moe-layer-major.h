@@ -56,8 +56,10 @@ struct llama_moe_layer_major {
         ggml_backend_t              backend = nullptr;
         std::vector<ggml_tensor *>  list;      // in layer order
         std::vector<size_t>         layer_end; // the index in list after each layer's last weight
+        size_t                      n_rows_only = 0; // the last entries of list, read by the output rows alone
     };
     std::vector<std::vector<group_weights>>        weights; // [group]
+    const ggml_tensor *                            expert = nullptr; // the model's first expert tensor
     std::vector<std::pair<ggml_backend_t, size_t>> regions;
     bool staging = false; // the call in progress stages ahead
 
@@ -150,9 +152,10 @@ void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_
 // ubatches, llama_moe_layer_major_stage_part), since uploads of all queues may wait in one line: a graph's input
 // uploads wait behind whatever was queued before them. The last share is left to group g + 1's first graph, which
 // uploads it after its own inputs (unless that graph is below the prefetch's min batch). cache: the context's expert
-// cache (nullptr: none), which writes its layers' copies
+// cache (nullptr: none), which writes its layers' copies. n_outputs: the most output rows a ubatch of the call has;
+// where the device takes no product of so few rows, the last group leaves out the weights read by them alone
 void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
-        llama_moe_cache_rt * cache);
+        llama_moe_cache_rt * cache, uint32_t n_outputs);
 
 // the part of the stage in progress that brings it to at least `share` (0 to 1) of its bytes, rounded up to whole layers
 // (the expert cache plans a layer's copies together); share 1: the rest. LLAMA_LAYER_MAJOR_DEBUG_STAGE_WHOLE: always 1
