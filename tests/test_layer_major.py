@@ -86,13 +86,14 @@ def test_a_ubatch_computed_before_the_ubatches_ahead_of_it_is_caught(patched_bui
 
 
 def _sim_run(build, src, model, env, *, tokens=SIM_TOKENS, n_ubatch=32, base_env=SIM_ENV, generate=4,
-             want_logits=True, prompt_sequences=None):
+             want_logits=True, prompt_sequences=None, kv_unified=False):
     """The prompt as one decode call on SIM with every expert on the host, then `generate` tokens. want_logits False:
     the prompt outputs its last token alone, as llama-bench's and a chat's prompts do. prompt_sequences: the prompt
     cut into sequences of these lengths (runner.RunSpec)."""
     spec = runner.RunSpec(model=model, tokens=tokens, n_ubatch=n_ubatch, n_batch=max(256, len(tokens)), threads=2,
                           generate=generate, cpu_moe=True, load_mode="none", repack=False, stats=True,
-                          want_logits=want_logits, env={**base_env, **env}, prompt_sequences=prompt_sequences)
+                          want_logits=want_logits, env={**base_env, **env}, prompt_sequences=prompt_sequences,
+                          kv_unified=kv_unified)
     return runner.run(build, src, spec)
 
 
@@ -472,8 +473,24 @@ def test_a_prompt_that_outputs_its_last_token_alone_leaves_the_last_layers_exper
     # groups 2 to 4 are staged ahead: layers 1 to 3 of the same size, and layer 3 only where every token is an output
     staged_every, staged_last = (r.stats["prompt"]["prefetch_staged_bytes"] for r in (every, last_only))
     assert staged_last > 0 and staged_last * 3 == staged_every * 2, (staged_last, staged_every)
+    # ... and no graph uploaded it either: the call's uploads are three of the four layers
+    up_every, up_last = (r.stats["prompt"]["layer_major_upload_bytes"] for r in (every, last_only))
+    assert up_last * 4 == up_every * 3, (up_last, up_every)
     assert last_only.generated == every.generated
     assert last_only.decode_logits_sha256 == every.decode_logits_sha256
+
+
+def test_outputs_spread_over_the_ubatches_leave_the_last_layers_experts_to_the_cpu(patched_build, src, model):
+    # 40 sequences of 4 tokens, each outputting its last token: 40 outputs in the call, 8 in each ubatch of 32 (a
+    # unified KV buffer keeps the prompt's order), so every ubatch computes the last layer's experts on the CPU. Before,
+    # the call's outputs capped by the ubatch (32) decided, and the last layer was staged for no graph
+    env = {"LLAMA_LAYER_MAJOR_GROUPS": "8"}
+    every = _sim_run(patched_build, src, model, env, generate=1)
+    spread = _sim_run(patched_build, src, model, env, generate=1, want_logits=False, prompt_sequences=[4] * 40,
+                      kv_unified=True)
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(spread.log)] == [("160", "5", "4")], spread.log[-3000:]
+    staged_every, staged_spread = (r.stats["prompt"]["prefetch_staged_bytes"] for r in (every, spread))
+    assert staged_spread > 0 and staged_spread * 3 == staged_every * 2, (staged_spread, staged_every)
 
 
 def test_a_layer_larger_than_the_budget_keeps_ubatch_order_and_says_why(patched_build, src, model, sim_ubatch_order):

@@ -142,10 +142,12 @@ static ggml_backend_t first_device_backend(ggml_backend_sched_t sched) {
     return nullptr;
 }
 
-// whether the architecture's graph keeps only the output rows before its last layer's feed-forward, so that a call with
-// few outputs computes that layer's experts for those rows alone (below a device's offload batch: on the CPU)
-static bool layer_major_last_ffn_reads_outputs(llm_arch arch) {
-    return arch == LLM_ARCH_QWEN2MOE || arch == LLM_ARCH_QWEN3MOE;
+// whether the graph keeps only the output rows before its last layer's feed-forward, so that a call with few outputs
+// computes that layer's experts for those rows alone (below a device's offload batch: on the CPU); gpt-oss does so where
+// it extracts masked next-token embeddings, else after its last layer
+static bool layer_major_last_ffn_reads_outputs(llm_arch arch, const llama_cparams & cparams) {
+    return arch == LLM_ARCH_QWEN2MOE || arch == LLM_ARCH_QWEN3MOE ||
+           (arch == LLM_ARCH_OPENAI_MOE && cparams.embeddings_nextn_masked);
 }
 
 // the model's first expert tensor (what --cpu-moe, -ncmoe and --fit keep on the host first), or nullptr
@@ -207,8 +209,8 @@ static std::vector<ggml_tensor *> head_host_weights(const llama_model & model) {
 
 // each group's host weights by the backend whose copies they become, and each such backend's region: the largest
 // group's kept copies there
-static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, ggml_backend_sched_t sched,
-        ggml_backend_t target, const std::vector<std::vector<ggml_tensor *>> & weights) {
+static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, const llama_cparams & cparams,
+        ggml_backend_sched_t sched, ggml_backend_t target, const std::vector<std::vector<ggml_tensor *>> & weights) {
     lm.weights.assign(lm.groups.size(), {});
     std::map<ggml_backend_t, size_t> region;
     lm.expert = first_expert_tensor(model);
@@ -227,7 +229,7 @@ static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, 
             gw.n_rows_only += rows_only ? layer.size() : 0;
         };
         for (int32_t il = lm.groups[g].first; il < lm.groups[g].second; il++) {
-            if (il + 1 == n_layer && layer_major_last_ffn_reads_outputs(model.arch)) {
+            if (il + 1 == n_layer && layer_major_last_ffn_reads_outputs(model.arch, cparams)) {
                 // the last layer's feed-forward weights go last, after the rest of the layer: a call with few outputs
                 // leaves them out
                 std::vector<ggml_tensor *> rest, ffn;
@@ -303,7 +305,7 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         for (int32_t il = 0; il < n_layer; il += (int32_t) n) {
             lm.groups.emplace_back(il, std::min<int32_t>(n_layer, il + (int32_t) n));
         }
-        plan_staging(lm, model, sched, stages ? stager : nullptr, weights);
+        plan_staging(lm, model, cparams, sched, stages ? stager : nullptr, weights);
         LLAMA_LOG_WARN("llama_moe: layer-major prompts: LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=%" PRId64 ": %zu groups of "
                        "up to %" PRId64 " layers (a test setting)\n", n, lm.groups.size(), n);
         return;
@@ -369,7 +371,7 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     if (lm.groups.empty()) {
         return;
     }
-    plan_staging(lm, model, sched, stager, weights);
+    plan_staging(lm, model, cparams, sched, stager, weights);
     LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers%s; a group's budget on %s (of the "
                    "host weights): %.1f of %.1f MiB%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
                    lm.groups.size() == 1 ? "" : "s", n_layer,

@@ -152,7 +152,7 @@ void llama_moe_layer_major_enter(llama_moe_layer_major & lm, ggml_backend_sched_
 // ubatches, llama_moe_layer_major_stage_part), since uploads of all queues may wait in one line: a graph's input
 // uploads wait behind whatever was queued before them. The last share is left to group g + 1's first graph, which
 // uploads it after its own inputs (unless that graph is below the prefetch's min batch). cache: the context's expert
-// cache (nullptr: none), which writes its layers' copies. n_outputs: the most output rows a ubatch of the call has;
+// cache (nullptr: none), which writes its layers' copies. n_outputs: the most output rows any ubatch of the call has;
 // where the device takes no product of so few rows, the last group leaves out the weights read by them alone
 void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_sched_t sched, int32_t g,
         llama_moe_cache_rt * cache, uint32_t n_outputs);

@@ -65,6 +65,7 @@ class RunSpec:
     # place at cache creation, not where the process is when the context is freed)
     chdir_after_context: str | None = None
     n_seq_max: int | None = None  # llama_context_params.n_seq_max (without `parallel` the runs decode sequence 0 alone)
+    kv_unified: bool = False  # one KV buffer for every sequence: prompt_sequences cut into ubatches in the prompt's order
     # > 1: that many sequences decode together, each step one llama_decode of a token per sequence, teacher-forced
     # (RunResult.generated: the argmaxes, step by step in sequence order; mode_logits.py)
     parallel: int = 1
@@ -82,7 +83,8 @@ class RunSpec:
     fault: dict | None = None
     ppl_chunks: tuple[int, int] | None = None
     # the prompt cut into sequences of these lengths, decoded in one call (no generation past the prompt's argmax):
-    # llama.cpp then splits the call into ubatches of equal shares per sequence (mode_logits.py)
+    # llama.cpp then splits the call into ubatches of equal shares per sequence (mode_logits.py); every token an
+    # output, or each sequence's last token alone where want_logits is False
     prompt_sequences: list[int] | None = None
 
 
@@ -150,6 +152,8 @@ def run(build: Build, src: Source, spec: RunSpec) -> RunResult:
             req["sync_callback"] = spec.sync_callback
         if spec.prompt_sequences:
             req["prompt_sequences"] = list(spec.prompt_sequences)
+        if spec.kv_unified:
+            req["kv_unified"] = True
         for key in ("layer_major_fit_reserve", "layer_major_fit_reserve_later"):
             if getattr(spec, key) is not None:
                 req[key] = list(getattr(spec, key))

@@ -95,7 +95,7 @@ def run(L, req: dict, lib_dir: Path) -> dict:
             if moe and req.get("stats"):
                 moe.reset_stats()
             if seq_lens:
-                logits = _decode_sequences(L, ctx, batch, tokens, seq_lens, n_vocab)
+                logits = _decode_sequences(L, ctx, batch, tokens, seq_lens, n_vocab, bool(req.get("logits_out")))
             else:
                 logits = _decode(L, ctx, batch, tokens, 0, bool(req.get("logits_out")), n_batch, n_vocab)
             if moe and req.get("stats"):
@@ -214,12 +214,13 @@ def _context_params(L, req: dict, n_tokens: int):
     """The request's context parameters, for n_tokens of prompt and generation: "n_ctx" (default n_tokens + 16 for
     each sequence), "n_batch", "n_ubatch", "threads", "op_offload", "n_seq_max" (the sequences the context may hold;
     without "parallel" the requests decode sequence 0 alone), "parallel" (at least that many sequences, in one unified
-    KV buffer: see _parallel_steps)."""
+    KV buffer: see _parallel_steps), "kv_unified" (one KV buffer for every sequence, so a call of several sequences
+    is cut into ubatches in the prompt's order)."""
     cp = L.llama_context_default_params()
     n_par = int(req.get("parallel") or 1)
     n_seq_max = max(int(req.get("n_seq_max") or 1), n_par, len(req.get("prompt_sequences") or []))
     cp.n_seq_max = n_seq_max
-    if n_par > 1:
+    if n_par > 1 or req.get("kv_unified"):
         cp.kv_unified = True
     cp.n_ctx = int(req.get("n_ctx") or (n_tokens + 16) * n_seq_max)
     cp.n_batch = int(req.get("n_batch", 2048))
@@ -373,21 +374,22 @@ def _decode(L, ctx, batch, tokens: list[int], start_pos: int, want_logits: bool,
     return np.concatenate(rows, axis=0)
 
 
-def _decode_sequences(L, ctx, batch, tokens: list[int], lengths: list[int], n_vocab: int):
+def _decode_sequences(L, ctx, batch, tokens: list[int], lengths: list[int], n_vocab: int, every_output: bool = True):
     """The prompt cut into consecutive sequences of these lengths (sequence i from position 0), all in one llama_decode,
-    every token an output; the logits in the prompt's order. Without a unified KV buffer each sequence is a stream of
-    its own, so llama.cpp splits the call into equal shares of every sequence left: a short sequence makes the first
-    ubatch small and the later ones full."""
+    every token an output (else each sequence's last token alone, as a server's prompts are); the logits in the
+    prompt's order. Without a unified KV buffer each sequence is a stream of its own, so llama.cpp splits the call
+    into equal shares of every sequence left: a short sequence makes the first ubatch small and the later ones full."""
     batch.n_tokens = len(tokens)
     i = 0
     for seq, n in enumerate(lengths):
         for pos in range(n):
-            put_token(batch, i, tokens[i], pos, seq=seq)
+            put_token(batch, i, tokens[i], pos, seq=seq, output=every_output or pos == n - 1)
             i += 1
     rc = L.llama_decode(ctx, batch)
     if rc != 0:
         raise DecodeError(rc, "llama_decode")
-    return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(tokens), n_vocab)).copy()
+    n_out = len(tokens) if every_output else len(lengths)
+    return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_out, n_vocab)).copy()
 
 
 def _set_cache_caps(lib_dir: Path, caps: dict) -> None:
