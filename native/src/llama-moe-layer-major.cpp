@@ -178,14 +178,14 @@ static bool device_takes_host_experts(ggml_backend_dev_t dev, const ggml_tensor 
 }
 
 // the backend the scheduler offloads a ubatch's ops on host experts to (the one whose prefetch stages their copies),
-// or nullptr where none takes them (the CPU computes them)
+// or nullptr where none takes them (the CPU computes them): the backend of llama_moe_layer_major_staging_device's
+// device, as --fit finds it (the scheduler's backends ahead of the CPU are the model's devices, in order, and
+// accelerators, which take no offload)
 static ggml_backend_t offload_backend(const llama_model & model, ggml_backend_sched_t sched, uint32_t n_ubatch) {
-    const ggml_tensor * expert = first_expert_tensor(model);
-    const int n_backends = ggml_backend_sched_get_n_backends(sched);
-    for (int b = 0; b + 1 < n_backends; b++) { // the last backend is the CPU's, which holds host weights
+    const int32_t id = llama_moe_layer_major_staging_device(&model, n_ubatch);
+    for (int b = 0; id >= 0 && b < ggml_backend_sched_get_n_backends(sched); b++) {
         ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
-        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-        if (dev != nullptr && device_takes_host_experts(dev, expert, n_ubatch)) {
+        if (ggml_backend_get_device(backend) == model.devices[id].dev) {
             return backend;
         }
     }
@@ -213,7 +213,6 @@ static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, 
         ggml_backend_sched_t sched, ggml_backend_t target, const std::vector<std::vector<ggml_tensor *>> & weights) {
     lm.weights.assign(lm.groups.size(), {});
     std::map<ggml_backend_t, size_t> region;
-    lm.expert = first_expert_tensor(model);
     const int32_t n_layer = (int32_t) weights.size();
     const std::vector<ggml_tensor *> head = head_host_weights(model);
     for (size_t g = 0; g < lm.groups.size() && target != nullptr; g++) {
@@ -299,6 +298,7 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
                                                             std::vector<std::vector<ggml_tensor *>>(n_layer);
     // the scheduler offloads every op that reads a host weight to one backend, whose prefetch stages the copies of
     // every group whichever device holds the group's layers: that device's memory is the budget of all of them
+    lm.expert = first_expert_tensor(model);
     ggml_backend_t stager = offload_backend(model, sched, cparams.n_ubatch);
     const bool stages = stager != nullptr && ggml_backend_sched_prefetch_enabled(sched, stager);
     if (const int64_t n = layer_major_debug_group_layers(); n > 0) {

@@ -392,23 +392,24 @@ def _decode_sequences(L, ctx, batch, tokens: list[int], lengths: list[int], n_vo
     return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_out, n_vocab)).copy()
 
 
-def _set_cache_caps(lib_dir: Path, caps: dict) -> None:
-    """Caps on the expert cache per device name, as --fit sets them before a context is made."""
+def _moe_lib(lib_dir: Path):
+    """llama-moe.h of the build's libllama through cffi, for its process defaults."""
     from pyllama_moe.build.ffi import _ffi
 
     ffi, _ = _ffi()
-    lib = ffi.dlopen(str(lib_dir / "libllama.so"))
+    return ffi.dlopen(str(lib_dir / "libllama.so"))
+
+
+def _set_cache_caps(lib_dir: Path, caps: dict) -> None:
+    """Caps on the expert cache per device name, as --fit sets them before a context is made."""
+    lib = _moe_lib(lib_dir)
     for device, mib in caps.items():
         lib.llama_moe_default_set_moe_cache_device_cap_mib(device.encode(), int(mib))
 
 
 def _set_layer_major_fit_reserve(lib_dir: Path, device: str, mib: int) -> None:
     """The staging --fit kept free for layer groups on a device, as --fit notes it."""
-    from pyllama_moe.build.ffi import _ffi
-
-    ffi, _ = _ffi()
-    lib = ffi.dlopen(str(lib_dir / "libllama.so"))
-    lib.llama_moe_default_set_layer_major_fit_reserve_mib(device.encode(), int(mib))
+    _moe_lib(lib_dir).llama_moe_default_set_layer_major_fit_reserve_mib(device.encode(), int(mib))
 
 
 class _MoeApi:
