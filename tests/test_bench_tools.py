@@ -44,9 +44,11 @@ def test_copy_probe_times_an_upload_queued_behind_another_on_a_second_queue(patc
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert d["small_bytes"] == 2 << 20
-    # behind the large upload the small one can finish no earlier than alone, and the large one no earlier than it
-    # (SIM copies on the calling thread: the small one waits for the whole large one)
-    assert 0 < d["small_alone_ms"] <= d["small_behind_ms"] <= d["large_ms"]
+    # each "behind" time and its "large" time share one start, and the large one is waited for second, so the
+    # order of those two is fixed; small alone against small behind is a race between two timings (SIM runs each
+    # backend's copies on its own worker, so the small one need not wait) and is not asserted
+    assert d["small_alone_ms"] > 0
+    assert 0 < d["small_behind_ms"] <= d["large_ms"]
     assert 0 < d["small_behind_pieces_ms"] <= d["large_pieces_ms"]
     for args, what in ((["--mib", "4", "--small", "8"], "larger than --mib"), (["--small", "0"], "--small needs")):
         bad = subprocess.run([str(exe), *args], capture_output=True, text=True,
