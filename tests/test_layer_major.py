@@ -537,6 +537,33 @@ def test_ubatches_no_device_takes_keep_ubatch_order_and_say_why(patched_build, s
                           r"them\)", got.log)) == 1, got.log[-3000:]
 
 
+@pytest.fixture(scope="module")
+def mixed_model():
+    # two types in one layer's experts, as llama-quantize's mixes keep the down matrices wider: Q8_0 gate and up
+    # (and attention and output head), Q4_0 down
+    return models.ensure_model("qwen3moe-down-q4_0", {"arch": "qwen3moe", "preset": "tiny", "type": "q8_0",
+                                                      "down_type": "q4_0", "seed": 1})
+
+
+@pytest.mark.parametrize("refused, left_mib", [("q4_0", "1.1"), ("q8_0", "6.1")],
+                         ids=["the-down-experts", "the-first-expert-tensor"])
+def test_weights_of_a_type_the_device_lacks_are_not_staged(patched_build, src, mixed_model, refused, left_mib):
+    # SIM without kernels for one of the two types: the scheduler computes those host weights on the CPU and uploads the
+    # rest each ubatch; layer-major order uploads that rest once. Before, the plan staged every host weight of a layer
+    # (those of the refused type too, which no graph read), and the device was chosen by the type of the model's first
+    # expert tensor alone: where the device lacked that type, there was none and the call kept ubatch order
+    env = {"GGML_SIM_NO_TYPES": refused, "LLAMA_LAYER_MAJOR_GROUPS": "8"}
+    base, got = (_sim_run(patched_build, src, mixed_model, {**env, "LLAMA_LAYER_MAJOR_PROMPT": on}) for on in "01")
+    assert got.logits_sha256 == base.logits_sha256
+    assert got.decode_logits_sha256 == base.decode_logits_sha256
+    assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "4")], got.log[-3000:]
+    prompt, base_prompt = got.stats["prompt"], base.stats["prompt"]
+    # what ubatch order uploads in each of its 5 ubatches crosses once, and nothing else does
+    assert prompt["layer_major_upload_bytes"] * 5 == base_prompt["prefetch_upload_bytes"] > 0, (prompt, base_prompt)
+    assert len(re.findall(rf"{left_mib} MiB of host weights \({refused}\) are computed by the CPU or another device, "
+                          r"not by SIM0: they are not staged", got.log)) == 1, got.log[-3000:]
+
+
 def test_an_eval_callback_keeps_ubatch_order_and_says_why(patched_build, src, model, master_cpu):
     spec = _cpu_spec(model, {"LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS": "2"})
     spec.eval_callback = 7

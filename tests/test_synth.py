@@ -292,12 +292,18 @@ def test_cli_synth_and_corpus(tmp_path, capsys, llama):
     info = read_gguf(model)
     assert info.arch == "glm4moe" and info.arch_key("block_count") == 3
     assert info.tensors["blk.2.ffn_up_exps.weight"].qtype == QT.Q8_0
+    mixed = tmp_path / "mixed.gguf"
+    assert _run("synth", "--preset", "tiny", "--type", "q8_0", "--down-type", "q4_0", "--quiet", "-o", str(mixed)) == 0
+    mixed_types = {name: t.qtype for name, t in read_gguf(mixed).tensors.items() if name.startswith("blk.1.")}
+    assert mixed_types["blk.1.ffn_down_exps.weight"] == QT.Q4_0
+    assert {mixed_types[f"blk.1.{n}.weight"] for n in ("ffn_gate_exps", "ffn_up_exps", "attn_q")} == {QT.Q8_0}
     assert _run("corpus", "--model", str(model), "--tokens", "300", "-o", str(tmp_path / "c.txt")) == 0
     assert len((tmp_path / "c.txt").read_text().split()) > 150
     capsys.readouterr()
     none = str(tmp_path / "none.gguf")
     # refused while the arguments are read, before any build (tests/test_cli_errors.py runs every verb's)
     for argv, said in ((("synth", "--preset", "huge", "-o", str(tmp_path / "x.gguf")), "invalid choice: 'huge'"),
+                       (("synth", "--down-type", "q6_k", "-o", str(tmp_path / "x.gguf")), "invalid choice: 'q6_k'"),
                        (("corpus", "--model", none), "does not exist"),
                        (("routes", none, "--lib", str(LIB_DIR), "--llama-cpp-pkg", str(PKG)), "does not exist"),
                        (("routes", none), "does not exist")):  # with the default library and package

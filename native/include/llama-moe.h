@@ -106,9 +106,10 @@ LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_staging_mib(void);
 // upload goes into the other region; in bytes, 0 where the model has no experts or its architecture no layer groups.
 LLAMA_MOE_API size_t  llama_moe_layer_major_least_staging(const struct llama_model * model);
 // The index of the model's device (llama_model_get_device) that computes ubatches of n_ubatch tokens with experts kept
-// on the host, and so whose host-weight prefetch (where on) stages their copies: the first one that supports and takes
-// the expert product (ggml_backend_sched's offload rule); -1 for none (the CPU computes them) or a model without
-// experts.
+// on the host, and so whose host-weight prefetch (where on) stages their copies: of each expert tensor's type and shape,
+// the first device that supports and takes its product (ggml_backend_sched's offload rule), and of those devices the
+// one that takes the most expert bytes (a device without kernels for some types leaves them to another or the CPU);
+// -1 for none (the CPU computes them) or a model without experts.
 LLAMA_MOE_API int32_t llama_moe_layer_major_staging_device(const struct llama_model * model, uint32_t n_ubatch);
 // The staging budget --fit kept free for layer groups in MiB, on the named device (the one that stages host weights):
 // a context created after it takes it as the floor of its auto budget where it stages on that device, as far as the

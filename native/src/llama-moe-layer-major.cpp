@@ -150,31 +150,49 @@ static bool layer_major_last_ffn_reads_outputs(llm_arch arch, const llama_cparam
            (arch == LLM_ARCH_OPENAI_MOE && cparams.embeddings_nextn_masked);
 }
 
-// the model's first expert tensor (what --cpu-moe, -ncmoe and --fit keep on the host first), or nullptr
-static const ggml_tensor * first_expert_tensor(const llama_model & model) {
-    for (const auto & [name, t] : model.tensors_by_name) {
-        if (ggml_n_dims(t) == 3 && llama_moe_is_expert_tensor(name)) {
-            return t;
-        }
-    }
-    return nullptr;
-}
-
-// whether ggml_backend_sched would offload to dev a ubatch's product with an expert tensor kept on the host: it
-// offloads an op that reads a host weight to the first backend ahead of the CPU whose device supports the op and takes
-// it (offload_op: each backend's own min batch; an RPC device takes none). Asked of a node built like the graph's,
-// beside a weight of the expert's type and shape that no buffer holds
-static bool device_takes_host_experts(ggml_backend_dev_t dev, const ggml_tensor * expert, int64_t n_tokens) {
-    const ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, true };
-    ggml_context_ptr ctx { ggml_init(params) };
-    if (!ctx || expert == nullptr || n_tokens <= 0) {
+// whether ggml_backend_sched would offload to dev a ubatch's product with a weight kept on the host: it offloads an op
+// that reads a host weight to the first backend ahead of the CPU whose device supports the op and takes it (offload_op:
+// each backend's own min batch; an RPC device takes none; a device without kernels for the weight's type supports
+// none). Asked of a node built like the graph's (an expert's MUL_MAT_ID, a matrix's MUL_MAT) beside a weight of the
+// same type and shape that no buffer holds; a weight read by element-wise ops alone (norms, biases) goes with its layer
+static bool device_takes_host_weight(ggml_backend_dev_t dev, const ggml_tensor * w, int64_t n_tokens) {
+    if (w == nullptr || n_tokens <= 0) {
         return false;
     }
-    ggml_tensor * as  = ggml_new_tensor_3d(ctx.get(), expert->type, expert->ne[0], expert->ne[1], expert->ne[2]);
-    ggml_tensor * b   = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, expert->ne[0], 1, n_tokens);
-    ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_tokens);
-    const ggml_tensor * op = ggml_mul_mat_id(ctx.get(), as, b, ids);
+    const char * name = ggml_get_name(w);
+    const size_t len  = strlen(name);
+    const bool matrix = ggml_n_dims(w) == 2 && len > 7 && strcmp(name + len - 7, ".weight") == 0;
+    if (ggml_n_dims(w) != 3 && !matrix) {
+        return true;
+    }
+    const ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, true };
+    ggml_context_ptr ctx { ggml_init(params) };
+    if (!ctx) {
+        return false;
+    }
+    const ggml_tensor * op = nullptr;
+    if (matrix) {
+        ggml_tensor * a = ggml_new_tensor_2d(ctx.get(), w->type, w->ne[0], w->ne[1]);
+        op = ggml_mul_mat(ctx.get(), a, ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, w->ne[0], n_tokens));
+    } else {
+        ggml_tensor * as  = ggml_new_tensor_3d(ctx.get(), w->type, w->ne[0], w->ne[1], w->ne[2]);
+        ggml_tensor * b   = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, w->ne[0], 1, n_tokens);
+        ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_tokens);
+        op = ggml_mul_mat_id(ctx.get(), as, b, ids);
+    }
     return ggml_backend_dev_supports_op(dev, op) && ggml_backend_dev_offload_op(dev, op);
+}
+
+// the index of the model's device that the scheduler offloads a ubatch's product with host weight w to (the first
+// device that takes it), or -1 for none (the CPU computes it)
+static int32_t device_taking_host_weight(const llama_model & model, const ggml_tensor * w, int64_t n_tokens) {
+    for (int32_t i = 0; i < (int32_t) model.devices.size(); i++) {
+        ggml_backend_dev_t dev = model.devices[i].dev;
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU && device_takes_host_weight(dev, w, n_tokens)) {
+            return i;
+        }
+    }
+    return -1;
 }
 
 // the backend the scheduler offloads a ubatch's ops on host experts to (the one whose prefetch stages their copies),
@@ -207,14 +225,65 @@ static std::vector<ggml_tensor *> head_host_weights(const llama_model & model) {
     return out;
 }
 
+// the host weights a group stages on the stager (device index id): those whose products the scheduler offloads there.
+// The rest (of a type it has no kernels for) go to the CPU or another device and cross as in ubatch order; their bytes
+// and types are added to left_bytes and left_types
+static std::vector<ggml_tensor *> weights_staged_on(const llama_model & model, int32_t id, uint32_t n_ubatch,
+        const std::vector<ggml_tensor *> & list, size_t & left_bytes, std::set<std::string> & left_types) {
+    std::vector<ggml_tensor *> kept;
+    for (ggml_tensor * t : list) {
+        if (device_taking_host_weight(model, t, n_ubatch) == id) {
+            kept.push_back(t);
+        } else {
+            left_bytes += ggml_nbytes(t);
+            left_types.insert(ggml_type_name(t->type));
+        }
+    }
+    return kept;
+}
+
+// keeps of each layer's host weights, and of the output head's, those staged on stager, says once what is left out,
+// and sets lm.expert to the first expert kept (asked whether the stager takes a product of a call's output rows)
+static void keep_weights_staged_on(llama_moe_layer_major & lm, const llama_model & model, ggml_backend_t stager,
+        uint32_t n_ubatch, std::vector<std::vector<ggml_tensor *>> & weights, std::vector<ggml_tensor *> & head) {
+    ggml_backend_dev_t dev = ggml_backend_get_device(stager);
+    int32_t id = -1;
+    for (int32_t i = 0; i < (int32_t) model.devices.size(); i++) {
+        id = model.devices[i].dev == dev ? i : id;
+    }
+    size_t left = 0;
+    std::set<std::string> types;
+    for (auto & layer : weights) {
+        layer = weights_staged_on(model, id, n_ubatch, layer, left, types);
+    }
+    head = weights_staged_on(model, id, n_ubatch, head, left, types);
+    lm.expert = nullptr;
+    for (size_t il = 0; il < weights.size() && lm.expert == nullptr; il++) {
+        for (const ggml_tensor * t : weights[il]) {
+            lm.expert = lm.expert == nullptr && ggml_n_dims(t) == 3 ? t : lm.expert;
+        }
+    }
+    if (left > 0) {
+        std::string names;
+        for (const std::string & type : types) {
+            names += (names.empty() ? "" : ", ") + type;
+        }
+        char buf[320];
+        snprintf(buf, sizeof(buf), "%.1f MiB of host weights (%s) are computed by the CPU or another device, not by %s: "
+                 "they are not staged, and cross as in ubatch order", left/1024.0/1024.0, names.c_str(),
+                 ggml_backend_dev_name(dev));
+        llama_moe_layer_major_say(lm, buf);
+    }
+}
+
 // each group's host weights by the backend whose copies they become, and each such backend's region: the largest
 // group's kept copies there
 static void plan_staging(llama_moe_layer_major & lm, const llama_model & model, const llama_cparams & cparams,
-        ggml_backend_sched_t sched, ggml_backend_t target, const std::vector<std::vector<ggml_tensor *>> & weights) {
+        ggml_backend_sched_t sched, ggml_backend_t target, const std::vector<std::vector<ggml_tensor *>> & weights,
+        const std::vector<ggml_tensor *> & head) {
     lm.weights.assign(lm.groups.size(), {});
     std::map<ggml_backend_t, size_t> region;
     const int32_t n_layer = (int32_t) weights.size();
-    const std::vector<ggml_tensor *> head = head_host_weights(model);
     for (size_t g = 0; g < lm.groups.size() && target != nullptr; g++) {
         std::map<ggml_backend_t, llama_moe_layer_major::group_weights> by_backend;
         const auto add = [&](const std::vector<ggml_tensor *> & layer, bool rows_only) {
@@ -294,18 +363,21 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         return;
     }
     const bool uploads = cparams.op_offload && cparams.prefetch.mode != GGML_BACKEND_SCHED_PREFETCH_OFF;
-    const std::vector<std::vector<ggml_tensor *>> weights = uploads ? layer_host_weights(model) :
-                                                            std::vector<std::vector<ggml_tensor *>>(n_layer);
+    std::vector<std::vector<ggml_tensor *>> weights = uploads ? layer_host_weights(model) :
+                                                      std::vector<std::vector<ggml_tensor *>>(n_layer);
     // the scheduler offloads every op that reads a host weight to one backend, whose prefetch stages the copies of
     // every group whichever device holds the group's layers: that device's memory is the budget of all of them
-    lm.expert = first_expert_tensor(model);
     ggml_backend_t stager = offload_backend(model, sched, cparams.n_ubatch);
     const bool stages = stager != nullptr && ggml_backend_sched_prefetch_enabled(sched, stager);
+    std::vector<ggml_tensor *> head = uploads ? head_host_weights(model) : std::vector<ggml_tensor *>();
+    if (stages) {
+        keep_weights_staged_on(lm, model, stager, cparams.n_ubatch, weights, head);
+    }
     if (const int64_t n = layer_major_debug_group_layers(); n > 0) {
         for (int32_t il = 0; il < n_layer; il += (int32_t) n) {
             lm.groups.emplace_back(il, std::min<int32_t>(n_layer, il + (int32_t) n));
         }
-        plan_staging(lm, model, cparams, sched, stages ? stager : nullptr, weights);
+        plan_staging(lm, model, cparams, sched, stages ? stager : nullptr, weights, head);
         LLAMA_LOG_WARN("llama_moe: layer-major prompts: LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=%" PRId64 ": %zu groups of "
                        "up to %" PRId64 " layers (a test setting)\n", n, lm.groups.size(), n);
         return;
@@ -371,7 +443,7 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     if (lm.groups.empty()) {
         return;
     }
-    plan_staging(lm, model, cparams, sched, stager, weights);
+    plan_staging(lm, model, cparams, sched, stager, weights, head);
     LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers%s; a group's budget on %s (of the "
                    "host weights): %.1f of %.1f MiB%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
                    lm.groups.size() == 1 ? "" : "s", n_layer,
@@ -525,7 +597,7 @@ void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_
         // the weights only output rows read stay on the host where the device takes no product of so few rows: the
         // CPU computes them (a prompt that outputs its last token alone)
         const bool rows_on_cpu = gw.n_rows_only > 0 &&
-                !device_takes_host_experts(ggml_backend_get_device(gw.backend), lm.expert, n_outputs);
+                !device_takes_host_weight(ggml_backend_get_device(gw.backend), lm.expert, n_outputs);
         const size_t n_staged = gw.list.size() - (rows_on_cpu ? gw.n_rows_only : 0);
         // a layer the expert cache reads in place is not staged at all
         llama_moe_layer_major::stage_progress sp;
@@ -747,12 +819,24 @@ int64_t llama_moe_default_get_layer_major_fit_reserve_mib(void) {
 }
 
 int32_t llama_moe_layer_major_staging_device(const llama_model * model, uint32_t n_ubatch) {
-    const ggml_tensor * expert = first_expert_tensor(*model);
-    for (int32_t i = 0; i < (int32_t) model->devices.size(); i++) {
-        ggml_backend_dev_t dev = model->devices[i].dev;
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU && device_takes_host_experts(dev, expert, n_ubatch)) {
-            return i;
+    // the device taking the most expert bytes: where the types differ (a Q4_K_M model's Q6_K down experts), a device
+    // without kernels for some of them leaves those to the next device or the CPU
+    std::map<int32_t, size_t> bytes;
+    for (const auto & [name, t] : model->tensors_by_name) {
+        if (ggml_n_dims(t) == 3 && llama_moe_is_expert_tensor(name)) {
+            const int32_t id = device_taking_host_weight(*model, t, n_ubatch);
+            if (id >= 0) {
+                bytes[id] += ggml_nbytes(t);
+            }
         }
     }
-    return -1;
+    int32_t best = -1;
+    size_t  most = 0;
+    for (const auto & [id, b] : bytes) {
+        if (b > most) {
+            best = id;
+            most = b;
+        }
+    }
+    return best;
 }

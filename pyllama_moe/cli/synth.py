@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--type", dest="qtype", default="q4_0", choices=tuple(QTYPES), metavar="TYPE",
                    help=f"expert, attention and dense/shared FFN weights: {' or '.join(QTYPES)} (default q4_0;"
                         " token embedding F16, output Q8_0, norms and routers F32)")
+    p.add_argument("--down-type", dest="down_qtype", default=None, choices=tuple(QTYPES), metavar="TYPE",
+                   help="the routed experts' down matrices, where they differ from --type (as llama-quantize's mixes "
+                        "keep them wider: two types in one layer's experts)")
     p.add_argument("--skew", type=real_number("a skew", 0, 10), default=0.0,
                    help="expert popularity skew: 0 uniform, 0.5 top-10%% of experts get ~45%% of the "
                         "selections, 1 ~70%% (default 0)")
@@ -84,12 +87,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_synth(args: argparse.Namespace) -> int:
     shape = resolve_shape(args.preset, args.arch, **{k: getattr(args, k) for k in OVERRIDES})
-    r = write_model(args.output, shape, args.qtype, skew=args.skew, seed=args.seed,
+    r = write_model(args.output, shape, args.qtype, down_qtype=args.down_qtype, skew=args.skew, seed=args.seed,
                     residual_scale=args.residual_scale, threads=args.threads, progress=not args.quiet,
                     name=f"pyllama-moe synthetic {args.preset} {shape.arch}")
+    down = f" (down experts {args.down_qtype.upper()})" if args.down_qtype else ""
     print(f"wrote {r.path}: {shape.arch}, {shape.n_layer} layers, hidden {shape.n_embd}, {shape.n_expert} experts "
           f"(top-{shape.n_expert_used}, ff {shape.expert_ff}), vocab {shape.n_vocab}, {_si(r.n_params)} params, "
-          f"{args.qtype.upper()}, skew {args.skew:g}, seed {args.seed}: {_si(r.n_bytes)}B in {r.seconds:.1f} s")
+          f"{args.qtype.upper()}{down}, skew {args.skew:g}, seed {args.seed}: {_si(r.n_bytes)}B in {r.seconds:.1f} s")
     return 0
 
 

@@ -20,7 +20,7 @@ from pyllama_moe.errors import UserError
 from pyllama_moe.paths import PROJECT_ROOT, cache_dir
 from pyllama_moe.synth.gguf_read import read_gguf
 
-SYNTH_OPTIONS = ("arch", "preset", "type", "seed", "skew", "layers", "hidden", "experts", "experts_used",
+SYNTH_OPTIONS = ("arch", "preset", "type", "down_type", "seed", "skew", "layers", "hidden", "experts", "experts_used",
                  "expert_ff", "vocab", "ctx")
 MODEL_OPTIONS = (*SYNTH_OPTIONS, "split")
 

@@ -79,8 +79,10 @@ def swiglu_oai_rms(bias_std: float) -> float:
     return float(np.sqrt((act ** 2).mean()))
 
 
-def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: float = 0.1) -> list[TensorSpec]:
-    """Every tensor of the model, in file order."""
+def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: float = 0.1,
+         down_qtype: QT | None = None) -> list[TensorSpec]:
+    """Every tensor of the model, in file order; down_qtype: the routed experts' down matrices' type where it differs
+    (llama-quantize's mixes keep them wider, so one layer's experts have two types)."""
     s, a = shape, residual_scale
     n = s.n_embd
     q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
@@ -91,9 +93,9 @@ def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: f
         shp = (experts, rows, n) if experts else (rows, n)
         return TensorSpec(name, shp, qtype, std=std, in0=0.0)
 
-    def writer(name: str, width: int, std: float, experts: int = 0) -> TensorSpec:
+    def writer(name: str, width: int, std: float, experts: int = 0, qt: QT = qtype) -> TensorSpec:
         shp = (experts, n, width) if experts else (n, width)
-        return TensorSpec(name, shp, qtype, std=std, zero_out0=True)
+        return TensorSpec(name, shp, qt, std=std, zero_out0=True)
 
     def const(name: str, size: int, value: float = 1.0) -> TensorSpec:
         return TensorSpec(name, (size,), QT.F32, values=lambda: np.full(size, value, np.float32))
@@ -154,7 +156,7 @@ def plan(shape: ModelShape, qtype: QT, skew: float, seed: int, residual_scale: f
         down = down_std(s.expert_ff, share, w_rms, act_rms)
         specs += [reader(p + "ffn_gate_exps.weight", s.expert_ff, r_ffn, s.n_expert),
                   reader(p + "ffn_up_exps.weight", s.expert_ff, r_ffn, s.n_expert),
-                  writer(p + "ffn_down_exps.weight", s.expert_ff, down, s.n_expert)]
+                  writer(p + "ffn_down_exps.weight", s.expert_ff, down, s.n_expert, down_qtype or qtype)]
         if oss:
             # the down bias's RMS: DOWN_BIAS_SHARE of one expert's output (its matrix part has `share` of it)
             down_bias = DOWN_BIAS_SHARE * a * EMBD_STD / w_rms

@@ -36,12 +36,13 @@ class WriteResult:
     seconds: float
 
 
-def write_model(path: str | os.PathLike, shape: ModelShape, qtype: str = "q4_0", *, skew: float = 0.0,
-                seed: int = 0, residual_scale: float = 0.1, threads: int | None = None,
+def write_model(path: str | os.PathLike, shape: ModelShape, qtype: str = "q4_0", *, down_qtype: str | None = None,
+                skew: float = 0.0, seed: int = 0, residual_scale: float = 0.1, threads: int | None = None,
                 progress: bool = True, name: str | None = None) -> WriteResult:
     """Write a random-weight `shape` model to `path` (replaced atomically: a partial file never has the name)."""
-    if qtype not in QTYPES:
-        raise UserError(f"unknown weight type {qtype!r}", f"use one of: {', '.join(QTYPES)}")
+    for what, name in (("weight type", qtype), ("down experts' type", down_qtype)):
+        if name is not None and name not in QTYPES:
+            raise UserError(f"unknown {what} {name!r}", f"use one of: {', '.join(QTYPES)}")
     if not (0.0 <= skew <= 10.0):
         raise UserError(f"skew {skew}", "use a value from 0 (uniform) to about 2 (very skewed)")
     if not (0.0 < residual_scale <= 1.0):
@@ -52,7 +53,7 @@ def write_model(path: str | os.PathLike, shape: ModelShape, qtype: str = "q4_0",
     if not path.parent.exists():
         raise UserError(f"output directory {path.parent} does not exist", "create it first")
     qt = QTYPES[qtype]
-    specs = tensors.plan(shape, qt, skew, seed, residual_scale)
+    specs = tensors.plan(shape, qt, skew, seed, residual_scale, QTYPES[down_qtype] if down_qtype else None)
     vocab = build_vocab(shape.n_vocab, seed)
 
     tmp = path.with_name(path.name + ".partial")

@@ -67,6 +67,7 @@ struct sim_config {
     std::vector<size_t> memory_per_device; // GGML_SIM_MEMORY_MIB="200,120": a value per device, the last repeated
     std::vector<bool> no_cache_ops;       // GGML_SIM_NO_CACHE_OPS=i,j,...: devices that lack the expert cache's ops
     std::vector<bool> no_offload;         // GGML_SIM_NO_OFFLOAD=i,j,...: devices that take no op on host weights (as RPC)
+    std::vector<bool> no_types;           // GGML_SIM_NO_TYPES=q4_0,...: weight types whose products no device computes
     double      copy_bytes_per_ns  = 0.0; // 0: no bandwidth limit
     int64_t     copy_latency_ns    = 0;
     int64_t     compute_latency_ns = 0;
@@ -137,6 +138,26 @@ const sim_config & sim_cfg() {
         for (double d : env_list("GGML_SIM_NO_OFFLOAD")) {
             if (d >= 0 && d < c.no_offload.size()) {
                 c.no_offload[(size_t) d] = true;
+            }
+        }
+        // weight types no device has MUL_MAT and MUL_MAT_ID kernels for, as a backend lacking some quantizations: the
+        // model keeps such weights in CPU buffers, and the scheduler leaves the products of host ones to the CPU
+        c.no_types.assign(GGML_TYPE_COUNT, false);
+        if (const char * v = getenv("GGML_SIM_NO_TYPES")) {
+            for (const char * p = v; *p;) {
+                const char * end = strchr(p, ',');
+                const std::string name(p, end ? end : p + strlen(p));
+                bool known = false;
+                for (int t = 0; t < GGML_TYPE_COUNT; t++) {
+                    const char * tn = ggml_type_name((ggml_type) t);
+                    if (tn != nullptr && name == tn) {
+                        c.no_types[t] = known = true;
+                    }
+                }
+                if (!known) {
+                    GGML_LOG_WARN("ggml_sim: GGML_SIM_NO_TYPES=%s: \"%s\" is not a ggml type name (as q4_0), ignored\n", v, name.c_str());
+                }
+                p = end ? end + 1 : p + strlen(p);
             }
         }
         c.copy_bytes_per_ns  = env_double("GGML_SIM_COPY_GBPS", 0); // 1 GB/s = 1 byte/ns
@@ -1376,6 +1397,9 @@ bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
         return false;
     }
     if ((op->op == GGML_OP_MOE_CACHE_LOOKUP || op->op == GGML_OP_MOE_CACHE_FILL) && sim_cfg().no_cache_ops[device_of(dev)->index]) {
+        return false;
+    }
+    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID) && sim_cfg().no_types[op->src[0]->type]) {
         return false;
     }
     // a GPU cannot read weights the CPU backend repacked into its own (non-host) layout
