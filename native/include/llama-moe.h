@@ -95,9 +95,9 @@ LLAMA_MOE_API void    llama_moe_default_set_layer_major_prompt(int32_t on);
 LLAMA_MOE_API int32_t llama_moe_default_get_layer_major_prompt(void);
 LLAMA_MOE_API void    llama_moe_set_layer_major_prompt(struct llama_context * ctx, int32_t on);
 LLAMA_MOE_API int32_t llama_moe_get_layer_major_prompt(const struct llama_context * ctx);
-// The staging budget of layer groups in MiB, on the device that stages their copies (the first GPU), read when a
-// context first plans its groups: > 0 sets it, 0 auto, -1 unsets it (then LLAMA_LAYER_MAJOR_STAGING_MIB, then auto).
-// The getter returns the value in effect.
+// The staging budget of layer groups in MiB, on the device that stages their copies (the GPU the scheduler offloads
+// host experts to: llama_moe_layer_major_staging_device), read when a context first plans its groups: > 0 sets it, 0
+// auto, -1 unsets it (then LLAMA_LAYER_MAJOR_STAGING_MIB, then auto). The getter returns the value in effect.
 LLAMA_MOE_API void    llama_moe_default_set_layer_major_staging_mib(int64_t mib);
 LLAMA_MOE_API int64_t llama_moe_default_get_layer_major_staging_mib(void);
 // The least staging budget that lets this model's prompts run layer-major where its experts stay on the host: twice
@@ -108,8 +108,9 @@ LLAMA_MOE_API size_t  llama_moe_layer_major_least_staging(const struct llama_mod
 // The index of the model's device (llama_model_get_device) that computes ubatches of n_ubatch tokens with experts kept
 // on the host, and so whose host-weight prefetch (where on) stages their copies: of each expert tensor's type and shape,
 // the first device that supports and takes its product (ggml_backend_sched's offload rule), and of those devices the
-// one that takes the most expert bytes (a device without kernels for some types leaves them to another or the CPU);
-// -1 for none (the CPU computes them) or a model without experts.
+// one that takes the most expert bytes (a device without kernels for some types leaves them to another or the CPU).
+// Every expert tensor counts, as if on the host, wherever it is: --fit asks before it places them. -1 for none (the
+// CPU computes them, or a backend reads them where they are) or a model without experts.
 LLAMA_MOE_API int32_t llama_moe_layer_major_staging_device(const struct llama_model * model, uint32_t n_ubatch);
 // The staging budget --fit kept free for layer groups in MiB, on the named device (the one that stages host weights):
 // a context created after it takes it as the floor of its auto budget where it stages on that device, as far as the

@@ -150,45 +150,80 @@ static bool layer_major_last_ffn_reads_outputs(llm_arch arch, const llama_cparam
            (arch == LLM_ARCH_OPENAI_MOE && cparams.embeddings_nextn_masked);
 }
 
-// whether ggml_backend_sched would offload to dev a ubatch's product with a weight kept on the host: it offloads an op
-// that reads a host weight to the first backend ahead of the CPU whose device supports the op and takes it (offload_op:
-// each backend's own min batch; an RPC device takes none; a device without kernels for the weight's type supports
-// none). Asked of a node built like the graph's (an expert's MUL_MAT_ID, a matrix's MUL_MAT) beside a weight of the
-// same type and shape that no buffer holds; a weight read by element-wise ops alone (norms, biases) goes with its layer
-static bool device_takes_host_weight(ggml_backend_dev_t dev, const ggml_tensor * w, int64_t n_tokens) {
-    if (w == nullptr || n_tokens <= 0) {
-        return false;
-    }
+// whether the planner models where the scheduler computes the products of host weight w: an expert's MUL_MAT_ID and a
+// matrix's MUL_MAT. The rest (norms, biases, a 1D gate) are read by ops of other kinds and go with their layer
+static bool host_weight_modelled(const ggml_tensor * w) {
     const char * name = ggml_get_name(w);
     const size_t len  = strlen(name);
-    const bool matrix = ggml_n_dims(w) == 2 && len > 7 && strcmp(name + len - 7, ".weight") == 0;
-    if (ggml_n_dims(w) != 3 && !matrix) {
-        return true;
+    return ggml_n_dims(w) == 3 || (ggml_n_dims(w) == 2 && len > 7 && strcmp(name + len - 7, ".weight") == 0);
+}
+
+// a node built like the graph's product of n_tokens tokens with a weight of w's type and shape that no buffer holds, in
+// ctx: MUL_MAT_ID for an expert tensor, MUL_MAT for a matrix (host_weight_modelled)
+static const ggml_tensor * host_weight_product(ggml_context * ctx, const ggml_tensor * w, int64_t n_tokens) {
+    if (ggml_n_dims(w) == 2) {
+        ggml_tensor * a = ggml_new_tensor_2d(ctx, w->type, w->ne[0], w->ne[1]);
+        return ggml_mul_mat(ctx, a, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], n_tokens));
     }
+    ggml_tensor * as  = ggml_new_tensor_3d(ctx, w->type, w->ne[0], w->ne[1], w->ne[2]);
+    ggml_tensor * b   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, w->ne[0], 1, n_tokens);
+    ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_tokens);
+    return ggml_mul_mat_id(ctx, as, b, ids);
+}
+
+// whether ggml_backend_sched would offload to dev a ubatch's product of n_tokens tokens with host weight w (modelled:
+// host_weight_modelled): it offloads an op that reads a host weight to the first backend ahead of the CPU whose device
+// supports the op and takes it (offload_op: each backend's own min batch; an RPC device takes none; a device without
+// kernels for the weight's type supports none)
+static bool device_takes_host_weight(ggml_backend_dev_t dev, const ggml_tensor * w, int64_t n_tokens) {
     const ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, true };
     ggml_context_ptr ctx { ggml_init(params) };
-    if (!ctx) {
+    if (!ctx || w == nullptr || n_tokens <= 0 || !host_weight_modelled(w)) {
         return false;
     }
-    const ggml_tensor * op = nullptr;
-    if (matrix) {
-        ggml_tensor * a = ggml_new_tensor_2d(ctx.get(), w->type, w->ne[0], w->ne[1]);
-        op = ggml_mul_mat(ctx.get(), a, ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, w->ne[0], n_tokens));
-    } else {
-        ggml_tensor * as  = ggml_new_tensor_3d(ctx.get(), w->type, w->ne[0], w->ne[1], w->ne[2]);
-        ggml_tensor * b   = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, w->ne[0], 1, n_tokens);
-        ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, n_tokens);
-        op = ggml_mul_mat_id(ctx.get(), as, b, ids);
-    }
+    const ggml_tensor * op = host_weight_product(ctx.get(), w, n_tokens);
     return ggml_backend_dev_supports_op(dev, op) && ggml_backend_dev_offload_op(dev, op);
 }
 
-// the index of the model's device that the scheduler offloads a ubatch's product with host weight w to (the first
-// device that takes it), or -1 for none (the CPU computes it)
+// where the scheduler computes a ubatch's product of n_tokens tokens with host weight w: the index of the model's device
+// it uploads w to; -1 where nothing is uploaded (the CPU computes it, or a backend reads it in place); -2 where the
+// product is not modelled (host_weight_modelled: the weight goes with its layer). The scheduler first picks the first
+// backend that can read w's buffer and supports the op (an accelerator such as BLAS, an integrated GPU) and offloads
+// only where that is the CPU; an expert tensor not on the host yet (--fit asks before placing them) is asked about as
+// one in a CPU buffer
 static int32_t device_taking_host_weight(const llama_model & model, const ggml_tensor * w, int64_t n_tokens) {
+    if (!host_weight_modelled(w)) {
+        return -2;
+    }
+    const ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, true };
+    ggml_context_ptr ctx { ggml_init(params) };
+    if (!ctx || n_tokens <= 0) {
+        return -1;
+    }
+    const ggml_tensor * op = host_weight_product(ctx.get(), w, n_tokens);
+    ggml_backend_buffer_type_t buft = w->buffer != nullptr && ggml_backend_buffer_is_host(w->buffer) ?
+            ggml_backend_buffer_get_type(w->buffer) : ggml_backend_cpu_buffer_type();
+    // the scheduler's backends ahead of the CPU: the model's devices, then the accelerators
+    std::vector<ggml_backend_dev_t> ahead;
+    for (const auto & d : model.devices) {
+        if (ggml_backend_dev_type(d.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            ahead.push_back(d.dev);
+        }
+    }
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        if (ggml_backend_dev_type(ggml_backend_dev_get(i)) == GGML_BACKEND_DEVICE_TYPE_ACCEL) {
+            ahead.push_back(ggml_backend_dev_get(i));
+        }
+    }
+    for (ggml_backend_dev_t dev : ahead) {
+        if (ggml_backend_dev_supports_buft(dev, buft) && ggml_backend_dev_supports_op(dev, op)) {
+            return -1; // read in place, nothing uploaded
+        }
+    }
     for (int32_t i = 0; i < (int32_t) model.devices.size(); i++) {
         ggml_backend_dev_t dev = model.devices[i].dev;
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU && device_takes_host_weight(dev, w, n_tokens)) {
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU && ggml_backend_dev_supports_op(dev, op) &&
+            ggml_backend_dev_offload_op(dev, op)) {
             return i;
         }
     }
@@ -232,7 +267,8 @@ static std::vector<ggml_tensor *> weights_staged_on(const llama_model & model, i
         const std::vector<ggml_tensor *> & list, size_t & left_bytes, std::set<std::string> & left_types) {
     std::vector<ggml_tensor *> kept;
     for (ggml_tensor * t : list) {
-        if (device_taking_host_weight(model, t, n_ubatch) == id) {
+        const int32_t taker = device_taking_host_weight(model, t, n_ubatch);
+        if (taker == id || taker == -2) {
             kept.push_back(t);
         } else {
             left_bytes += ggml_nbytes(t);
@@ -242,10 +278,10 @@ static std::vector<ggml_tensor *> weights_staged_on(const llama_model & model, i
     return kept;
 }
 
-// keeps of each layer's host weights, and of the output head's, those staged on stager, says once what is left out,
-// and sets lm.expert to the first expert kept (asked whether the stager takes a product of a call's output rows)
-static void keep_weights_staged_on(llama_moe_layer_major & lm, const llama_model & model, ggml_backend_t stager,
-        uint32_t n_ubatch, std::vector<std::vector<ggml_tensor *>> & weights, std::vector<ggml_tensor *> & head) {
+// keeps of each layer's host weights, and of the output head's, those staged on stager; returns what is left out, to be
+// said once where the plan has groups ("" for nothing)
+static std::string keep_weights_staged_on(const llama_model & model, ggml_backend_t stager, uint32_t n_ubatch,
+        std::vector<std::vector<ggml_tensor *>> & weights, std::vector<ggml_tensor *> & head) {
     ggml_backend_dev_t dev = ggml_backend_get_device(stager);
     int32_t id = -1;
     for (int32_t i = 0; i < (int32_t) model.devices.size(); i++) {
@@ -257,23 +293,18 @@ static void keep_weights_staged_on(llama_moe_layer_major & lm, const llama_model
         layer = weights_staged_on(model, id, n_ubatch, layer, left, types);
     }
     head = weights_staged_on(model, id, n_ubatch, head, left, types);
-    lm.expert = nullptr;
-    for (size_t il = 0; il < weights.size() && lm.expert == nullptr; il++) {
-        for (const ggml_tensor * t : weights[il]) {
-            lm.expert = lm.expert == nullptr && ggml_n_dims(t) == 3 ? t : lm.expert;
-        }
+    if (left == 0) {
+        return "";
     }
-    if (left > 0) {
-        std::string names;
-        for (const std::string & type : types) {
-            names += (names.empty() ? "" : ", ") + type;
-        }
-        char buf[320];
-        snprintf(buf, sizeof(buf), "%.1f MiB of host weights (%s) are computed by the CPU or another device, not by %s: "
-                 "they are not staged, and cross as in ubatch order", left/1024.0/1024.0, names.c_str(),
-                 ggml_backend_dev_name(dev));
-        llama_moe_layer_major_say(lm, buf);
+    std::string names;
+    for (const std::string & type : types) {
+        names += (names.empty() ? "" : ", ") + type;
     }
+    char buf[320];
+    snprintf(buf, sizeof(buf), "%.1f MiB of host weights (%s) are not uploaded by %s (the CPU or another device computes "
+             "them): they are not staged, and go as in ubatch order", left/1024.0/1024.0, names.c_str(),
+             ggml_backend_dev_name(dev));
+    return buf;
 }
 
 // each group's host weights by the backend whose copies they become, and each such backend's region: the largest
@@ -370,14 +401,15 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
     ggml_backend_t stager = offload_backend(model, sched, cparams.n_ubatch);
     const bool stages = stager != nullptr && ggml_backend_sched_prefetch_enabled(sched, stager);
     std::vector<ggml_tensor *> head = uploads ? head_host_weights(model) : std::vector<ggml_tensor *>();
-    if (stages) {
-        keep_weights_staged_on(lm, model, stager, cparams.n_ubatch, weights, head);
-    }
+    const std::string left_out = stages ? keep_weights_staged_on(model, stager, cparams.n_ubatch, weights, head) : "";
     if (const int64_t n = layer_major_debug_group_layers(); n > 0) {
         for (int32_t il = 0; il < n_layer; il += (int32_t) n) {
             lm.groups.emplace_back(il, std::min<int32_t>(n_layer, il + (int32_t) n));
         }
         plan_staging(lm, model, cparams, sched, stages ? stager : nullptr, weights, head);
+        if (!left_out.empty()) {
+            llama_moe_layer_major_say(lm, left_out);
+        }
         LLAMA_LOG_WARN("llama_moe: layer-major prompts: LLAMA_LAYER_MAJOR_DEBUG_GROUP_LAYERS=%" PRId64 ": %zu groups of "
                        "up to %" PRId64 " layers (a test setting)\n", n, lm.groups.size(), n);
         return;
@@ -444,6 +476,9 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
         return;
     }
     plan_staging(lm, model, cparams, sched, stager, weights, head);
+    if (!left_out.empty()) {
+        llama_moe_layer_major_say(lm, left_out);
+    }
     LLAMA_LOG_INFO("llama_moe: layer-major prompts: %zu layer group%s of the %d layers%s; a group's budget on %s (of the "
                    "host weights): %.1f of %.1f MiB%s; calls of at least %" PRId64 " ubatches\n", lm.groups.size(),
                    lm.groups.size() == 1 ? "" : "s", n_layer,
@@ -595,9 +630,14 @@ void llama_moe_layer_major_stage_begin(llama_moe_layer_major & lm, ggml_backend_
             region = b == gw.backend ? r : region;
         }
         // the weights only output rows read stay on the host where the device takes no product of so few rows: the
-        // CPU computes them (a prompt that outputs its last token alone)
-        const bool rows_on_cpu = gw.n_rows_only > 0 &&
-                !device_takes_host_weight(ggml_backend_get_device(gw.backend), lm.expert, n_outputs);
+        // CPU computes them (a prompt that outputs its last token alone). Asked of the first of them whose product is
+        // modelled (the offload rule counts a product's tokens alike for every type and shape)
+        const ggml_tensor * rows_probe = nullptr;
+        for (size_t i = gw.list.size() - gw.n_rows_only; i < gw.list.size() && rows_probe == nullptr; i++) {
+            rows_probe = host_weight_modelled(gw.list[i]) ? gw.list[i] : nullptr;
+        }
+        const bool rows_on_cpu = rows_probe != nullptr &&
+                !device_takes_host_weight(ggml_backend_get_device(gw.backend), rows_probe, n_outputs);
         const size_t n_staged = gw.list.size() - (rows_on_cpu ? gw.n_rows_only : 0);
         // a layer the expert cache reads in place is not staged at all
         llama_moe_layer_major::stage_progress sp;

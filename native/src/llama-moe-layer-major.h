@@ -59,7 +59,6 @@ struct llama_moe_layer_major {
         size_t                      n_rows_only = 0; // the last entries of list, read by the output rows alone
     };
     std::vector<std::vector<group_weights>>        weights; // [group]
-    const ggml_tensor *                            expert = nullptr; // the first expert tensor staged
     std::vector<std::pair<ggml_backend_t, size_t>> regions;
     bool staging = false; // the call in progress stages ahead
 

@@ -68,6 +68,7 @@ struct sim_config {
     std::vector<bool> no_cache_ops;       // GGML_SIM_NO_CACHE_OPS=i,j,...: devices that lack the expert cache's ops
     std::vector<bool> no_offload;         // GGML_SIM_NO_OFFLOAD=i,j,...: devices that take no op on host weights (as RPC)
     std::vector<bool> no_types;           // GGML_SIM_NO_TYPES=q4_0,...: weight types whose products no device computes
+                                          // (names as ggml_type_name, any case)
     double      copy_bytes_per_ns  = 0.0; // 0: no bandwidth limit
     int64_t     copy_latency_ns    = 0;
     int64_t     compute_latency_ns = 0;
@@ -146,11 +147,13 @@ const sim_config & sim_cfg() {
         if (const char * v = getenv("GGML_SIM_NO_TYPES")) {
             for (const char * p = v; *p;) {
                 const char * end = strchr(p, ',');
-                const std::string name(p, end ? end : p + strlen(p));
+                std::string name(p, end ? end : p + strlen(p));
+                std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return (char) tolower(ch); });
                 bool known = false;
                 for (int t = 0; t < GGML_TYPE_COUNT; t++) {
-                    const char * tn = ggml_type_name((ggml_type) t);
-                    if (tn != nullptr && name == tn) {
+                    std::string tn = ggml_type_name((ggml_type) t) ? ggml_type_name((ggml_type) t) : "";
+                    std::transform(tn.begin(), tn.end(), tn.begin(), [](unsigned char ch) { return (char) tolower(ch); });
+                    if (!tn.empty() && name == tn) {
                         c.no_types[t] = known = true;
                     }
                 }
@@ -1399,7 +1402,11 @@ bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     if ((op->op == GGML_OP_MOE_CACHE_LOOKUP || op->op == GGML_OP_MOE_CACHE_FILL) && sim_cfg().no_cache_ops[device_of(dev)->index]) {
         return false;
     }
-    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID) && sim_cfg().no_types[op->src[0]->type]) {
+    // a weight's product (a leaf: the loader asks of a fresh tensor in a dummy buffer), not one of activations (KQ reads
+    // a view of an F16 cache)
+    const ggml_tensor * w = op->src[0];
+    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID) && sim_cfg().no_types[w->type] &&
+        w->op == GGML_OP_NONE && w->view_src == nullptr) {
         return false;
     }
     // a GPU cannot read weights the CPU backend repacked into its own (non-host) layout
