@@ -553,23 +553,30 @@ def mixed_model():
                                                       "down_type": "q4_0", "seed": 1})
 
 
-@pytest.mark.parametrize("refused, left_mib", [("q4_0", "1.1"), ("q8_0", "6.1")],
-                         ids=["the-down-experts", "the-first-expert-tensor"])
-def test_weights_of_a_type_the_device_lacks_are_not_staged(patched_build, src, mixed_model, refused, left_mib):
-    # SIM without kernels for one of the two types: the scheduler computes those host weights on the CPU and uploads the
-    # rest each ubatch; layer-major order uploads that rest once. Before, the plan staged every host weight of a layer
-    # (those of the refused type too, which no graph read), and the device was chosen by the type of the model's first
-    # expert tensor alone: where the device lacked that type, there was none and the call kept ubatch order
-    env = {"GGML_SIM_NO_TYPES": refused, "LLAMA_LAYER_MAJOR_GROUPS": "8"}
+@pytest.mark.parametrize("refused, n_devices, left_mib, stager", [
+    ("q4_0", 1, "1.1", "SIM0"), ("q8_0", 1, "6.1", "SIM0"), ("0:q4_0", 2, "1.1", "SIM0"), ("0:q8_0", 2, "1.1", "SIM1"),
+], ids=["the-down-experts", "the-first-expert-tensor", "down-to-the-second-device", "most-bytes-to-the-second-device"])
+def test_weights_of_a_type_the_device_lacks_are_not_staged(patched_build, src, mixed_model, refused, n_devices, left_mib,
+                                                           stager):
+    # SIM without kernels for one of the two types: the scheduler computes those host weights on the CPU, or offloads
+    # them to a second device that has them, and uploads the rest each ubatch; layer-major order uploads everything
+    # once (the second device keeps its own copies across a group's ubatches). The staging device is the one taking
+    # the most expert bytes: SIM1 where SIM0 lacks the gate and up experts' type. Before, the plan staged every host
+    # weight of a layer (those of the refused type too, which no graph read), and the device was chosen by the type of
+    # the model's first expert tensor alone: where the device lacked that type, there was none and the call kept
+    # ubatch order
+    env = {"GGML_SIM_NO_TYPES": refused, "LLAMA_LAYER_MAJOR_GROUPS": "8", "GGML_SIM_DEVICES": str(n_devices),
+           "GGML_SIM_MEMORY_MIB": "1000"}
     base, got = (_sim_run(patched_build, src, mixed_model, {**env, "LLAMA_LAYER_MAJOR_PROMPT": on}) for on in "01")
     assert got.logits_sha256 == base.logits_sha256
     assert got.decode_logits_sha256 == base.decode_logits_sha256
     assert [m.groups()[:3] for m in CALL_LINE.finditer(got.log)] == [("160", "5", "4")], got.log[-3000:]
+    assert re.search(rf"4 layer groups of the 4 layers.*; a group's budget on {stager} ", got.log), got.log[-3000:]
     prompt, base_prompt = got.stats["prompt"], base.stats["prompt"]
     # what ubatch order uploads in each of its 5 ubatches crosses once, and nothing else does
     assert prompt["layer_major_upload_bytes"] * 5 == base_prompt["prefetch_upload_bytes"] > 0, (prompt, base_prompt)
-    assert len(re.findall(rf"{left_mib} MiB of host weights \({refused}\) are not uploaded by SIM0 \(the CPU or another "
-                          r"device computes them\): they are not staged", got.log)) == 1, got.log[-3000:]
+    assert len(re.findall(rf"{left_mib} MiB of host weights \((q4_0|q8_0)\) are not uploaded by {stager} \(the CPU or "
+                          r"another device computes them\): they are not staged", got.log)) == 1, got.log[-3000:]
 
 
 def test_an_eval_callback_keeps_ubatch_order_and_says_why(patched_build, src, model, master_cpu):

@@ -67,8 +67,8 @@ struct sim_config {
     std::vector<size_t> memory_per_device; // GGML_SIM_MEMORY_MIB="200,120": a value per device, the last repeated
     std::vector<bool> no_cache_ops;       // GGML_SIM_NO_CACHE_OPS=i,j,...: devices that lack the expert cache's ops
     std::vector<bool> no_offload;         // GGML_SIM_NO_OFFLOAD=i,j,...: devices that take no op on host weights (as RPC)
-    std::vector<bool> no_types;           // GGML_SIM_NO_TYPES=q4_0,...: weight types whose products no device computes
-                                          // (names as ggml_type_name, any case)
+    std::vector<std::vector<bool>> no_types; // GGML_SIM_NO_TYPES=q4_0,1:q8_0,...: [device][type] whose weights' products
+                                             // the device does not compute (names as ggml_type_name, any case)
     double      copy_bytes_per_ns  = 0.0; // 0: no bandwidth limit
     int64_t     copy_latency_ns    = 0;
     int64_t     compute_latency_ns = 0;
@@ -141,24 +141,39 @@ const sim_config & sim_cfg() {
                 c.no_offload[(size_t) d] = true;
             }
         }
-        // weight types no device has MUL_MAT and MUL_MAT_ID kernels for, as a backend lacking some quantizations: the
-        // model keeps such weights in CPU buffers, and the scheduler leaves the products of host ones to the CPU
-        c.no_types.assign(GGML_TYPE_COUNT, false);
+        // weight types a device has no MUL_MAT and MUL_MAT_ID kernels for, as a backend lacking some quantizations: the
+        // model keeps such weights off it, and the scheduler leaves the products of host ones to the next device or the
+        // CPU. "q4_0": every device; "1:q4_0": device 1 alone
+        c.no_types.assign(std::max(c.n_devices, 1), std::vector<bool>(GGML_TYPE_COUNT, false));
         if (const char * v = getenv("GGML_SIM_NO_TYPES")) {
             for (const char * p = v; *p;) {
                 const char * end = strchr(p, ',');
                 std::string name(p, end ? end : p + strlen(p));
                 std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return (char) tolower(ch); });
+                int only = -1;
+                const size_t colon = name.find(':');
+                if (colon != std::string::npos) {
+                    char * num_end = nullptr;
+                    only = (int) strtol(name.c_str(), &num_end, 10);
+                    only = num_end == name.c_str() + colon && only >= 0 && only < (int) c.no_types.size() ? only : -2;
+                    name = name.substr(colon + 1);
+                }
                 bool known = false;
-                for (int t = 0; t < GGML_TYPE_COUNT; t++) {
+                for (int t = 0; t < GGML_TYPE_COUNT && only != -2; t++) {
                     std::string tn = ggml_type_name((ggml_type) t) ? ggml_type_name((ggml_type) t) : "";
                     std::transform(tn.begin(), tn.end(), tn.begin(), [](unsigned char ch) { return (char) tolower(ch); });
                     if (!tn.empty() && name == tn) {
-                        c.no_types[t] = known = true;
+                        known = true;
+                        for (size_t d = 0; d < c.no_types.size(); d++) {
+                            if (only < 0 || (size_t) only == d) {
+                                c.no_types[d][t] = true;
+                            }
+                        }
                     }
                 }
                 if (!known) {
-                    GGML_LOG_WARN("ggml_sim: GGML_SIM_NO_TYPES=%s: \"%s\" is not a ggml type name (as q4_0), ignored\n", v, name.c_str());
+                    GGML_LOG_WARN("ggml_sim: GGML_SIM_NO_TYPES=%s: \"%s\" is not a ggml type name (as q4_0) or a device "
+                                  "index and one (as 1:q4_0), ignored\n", v, std::string(p, end ? end : p + strlen(p)).c_str());
                 }
                 p = end ? end + 1 : p + strlen(p);
             }
@@ -1405,8 +1420,8 @@ bool sim_dev_supports_op(ggml_backend_dev_t dev, const ggml_tensor * op) {
     // a weight's product (a leaf: the loader asks of a fresh tensor in a dummy buffer), not one of activations (KQ reads
     // a view of an F16 cache)
     const ggml_tensor * w = op->src[0];
-    if ((op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID) && sim_cfg().no_types[w->type] &&
-        w->op == GGML_OP_NONE && w->view_src == nullptr) {
+    const bool product = op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID;
+    if (product && sim_cfg().no_types[device_of(dev)->index][w->type] && w->op == GGML_OP_NONE && w->view_src == nullptr) {
         return false;
     }
     // a GPU cannot read weights the CPU backend repacked into its own (non-host) layout
