@@ -171,18 +171,21 @@ static const ggml_tensor * host_weight_product(ggml_context * ctx, const ggml_te
     return ggml_mul_mat_id(ctx, as, b, ids);
 }
 
-// whether ggml_backend_sched would offload to dev a ubatch's product of n_tokens tokens with host weight w (modelled:
-// host_weight_modelled): it offloads an op that reads a host weight to the first backend ahead of the CPU whose device
-// supports the op and takes it (offload_op: each backend's own min batch; an RPC device takes none; a device without
-// kernels for the weight's type supports none)
+// whether ggml_backend_sched offloads op, which reads a host weight, to dev where no device ahead takes it: dev supports
+// the op and takes it (offload_op: each backend's own min batch; an RPC device takes none; a device without kernels for
+// the weight's type supports none)
+static bool device_offloads(ggml_backend_dev_t dev, const ggml_tensor * op) {
+    return ggml_backend_dev_supports_op(dev, op) && ggml_backend_dev_offload_op(dev, op);
+}
+
+// whether dev takes a ubatch's product of n_tokens tokens with host weight w (modelled: host_weight_modelled)
 static bool device_takes_host_weight(ggml_backend_dev_t dev, const ggml_tensor * w, int64_t n_tokens) {
     const ggml_init_params params = { 4*ggml_tensor_overhead(), nullptr, true };
     ggml_context_ptr ctx { ggml_init(params) };
     if (!ctx || w == nullptr || n_tokens <= 0 || !host_weight_modelled(w)) {
         return false;
     }
-    const ggml_tensor * op = host_weight_product(ctx.get(), w, n_tokens);
-    return ggml_backend_dev_supports_op(dev, op) && ggml_backend_dev_offload_op(dev, op);
+    return device_offloads(dev, host_weight_product(ctx.get(), w, n_tokens));
 }
 
 // where the scheduler computes a ubatch's product of n_tokens tokens with host weight w: the index of the model's device
@@ -222,20 +225,18 @@ static int32_t device_taking_host_weight(const llama_model & model, const ggml_t
     }
     for (int32_t i = 0; i < (int32_t) model.devices.size(); i++) {
         ggml_backend_dev_t dev = model.devices[i].dev;
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU && ggml_backend_dev_supports_op(dev, op) &&
-            ggml_backend_dev_offload_op(dev, op)) {
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU && device_offloads(dev, op)) {
             return i;
         }
     }
     return -1;
 }
 
-// the backend the scheduler offloads a ubatch's ops on host experts to (the one whose prefetch stages their copies),
-// or nullptr where none takes them (the CPU computes them): the backend of llama_moe_layer_major_staging_device's
-// device, as --fit finds it (the scheduler's backends ahead of the CPU are the model's devices, in order, and
-// accelerators, which take no offload)
-static ggml_backend_t offload_backend(const llama_model & model, ggml_backend_sched_t sched, uint32_t n_ubatch) {
-    const int32_t id = llama_moe_layer_major_staging_device(&model, n_ubatch);
+// the scheduler's backend of the model's device id (-1: none, nullptr). The stager, the backend the scheduler offloads a
+// ubatch's ops on host experts to and whose prefetch stages their copies, is that of
+// llama_moe_layer_major_staging_device's device, as --fit finds it (the scheduler's backends ahead of the CPU are the
+// model's devices, in order, and accelerators, which take no offload)
+static ggml_backend_t device_backend(const llama_model & model, ggml_backend_sched_t sched, int32_t id) {
     for (int b = 0; id >= 0 && b < ggml_backend_sched_get_n_backends(sched); b++) {
         ggml_backend_t backend = ggml_backend_sched_get_backend(sched, b);
         if (ggml_backend_get_device(backend) == model.devices[id].dev) {
@@ -278,15 +279,10 @@ static std::vector<ggml_tensor *> weights_staged_on(const llama_model & model, i
     return kept;
 }
 
-// keeps of each layer's host weights, and of the output head's, those staged on stager; returns what is left out, to be
-// said once where the plan has groups ("" for nothing)
-static std::string keep_weights_staged_on(const llama_model & model, ggml_backend_t stager, uint32_t n_ubatch,
+// keeps of each layer's host weights, and of the output head's, those staged on the model's device id; returns what is
+// left out, to be said once where the plan has groups ("" for nothing)
+static std::string keep_weights_staged_on(const llama_model & model, int32_t id, uint32_t n_ubatch,
         std::vector<std::vector<ggml_tensor *>> & weights, std::vector<ggml_tensor *> & head) {
-    ggml_backend_dev_t dev = ggml_backend_get_device(stager);
-    int32_t id = -1;
-    for (int32_t i = 0; i < (int32_t) model.devices.size(); i++) {
-        id = model.devices[i].dev == dev ? i : id;
-    }
     size_t left = 0;
     std::set<std::string> types;
     for (auto & layer : weights) {
@@ -303,7 +299,7 @@ static std::string keep_weights_staged_on(const llama_model & model, ggml_backen
     char buf[320];
     snprintf(buf, sizeof(buf), "%.1f MiB of host weights (%s) are not uploaded by %s (the CPU or another device computes "
              "them): they are not staged, and go as in ubatch order", left/1024.0/1024.0, names.c_str(),
-             ggml_backend_dev_name(dev));
+             ggml_backend_dev_name(model.devices[id].dev));
     return buf;
 }
 
@@ -398,10 +394,11 @@ static void plan(llama_moe_layer_major & lm, const llama_model & model, ggml_bac
                                                       std::vector<std::vector<ggml_tensor *>>(n_layer);
     // the scheduler offloads every op that reads a host weight to one backend, whose prefetch stages the copies of
     // every group whichever device holds the group's layers: that device's memory is the budget of all of them
-    ggml_backend_t stager = offload_backend(model, sched, cparams.n_ubatch);
+    const int32_t  stager_id = llama_moe_layer_major_staging_device(&model, cparams.n_ubatch);
+    ggml_backend_t stager    = device_backend(model, sched, stager_id);
     const bool stages = stager != nullptr && ggml_backend_sched_prefetch_enabled(sched, stager);
     std::vector<ggml_tensor *> head = uploads ? head_host_weights(model) : std::vector<ggml_tensor *>();
-    const std::string left_out = stages ? keep_weights_staged_on(model, stager, cparams.n_ubatch, weights, head) : "";
+    const std::string left_out = stages ? keep_weights_staged_on(model, stager_id, cparams.n_ubatch, weights, head) : "";
     if (const int64_t n = layer_major_debug_group_layers(); n > 0) {
         for (int32_t il = 0; il < n_layer; il += (int32_t) n) {
             lm.groups.emplace_back(il, std::min<int32_t>(n_layer, il + (int32_t) n));

@@ -146,10 +146,13 @@ const sim_config & sim_cfg() {
         // CPU. "q4_0": every device; "1:q4_0": device 1 alone
         c.no_types.assign(std::max(c.n_devices, 1), std::vector<bool>(GGML_TYPE_COUNT, false));
         if (const char * v = getenv("GGML_SIM_NO_TYPES")) {
+            const auto lower = [](std::string str) {
+                std::transform(str.begin(), str.end(), str.begin(), [](unsigned char ch) { return (char) tolower(ch); });
+                return str;
+            };
             for (const char * p = v; *p;) {
                 const char * end = strchr(p, ',');
-                std::string name(p, end ? end : p + strlen(p));
-                std::transform(name.begin(), name.end(), name.begin(), [](unsigned char ch) { return (char) tolower(ch); });
+                std::string name = lower(std::string(p, end ? end : p + strlen(p)));
                 int only = -1;
                 const size_t colon = name.find(':');
                 if (colon != std::string::npos) {
@@ -160,9 +163,8 @@ const sim_config & sim_cfg() {
                 }
                 bool known = false;
                 for (int t = 0; t < GGML_TYPE_COUNT && only != -2; t++) {
-                    std::string tn = ggml_type_name((ggml_type) t) ? ggml_type_name((ggml_type) t) : "";
-                    std::transform(tn.begin(), tn.end(), tn.begin(), [](unsigned char ch) { return (char) tolower(ch); });
-                    if (!tn.empty() && name == tn) {
+                    const char * tn = ggml_type_name((ggml_type) t);
+                    if (tn != nullptr && *tn != '\0' && name == lower(tn)) {
                         known = true;
                         for (size_t d = 0; d < c.no_types.size(); d++) {
                             if (only < 0 || (size_t) only == d) {
